@@ -1,0 +1,120 @@
+"""The library's front: load a target (and a drafter), generate text with any method.
+
+    from draftwise import SpeculativeDecoder, SamplingParams
+    dw = SpeculativeDecoder("qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct")
+    out = dw.generate("def quicksort(arr):", SamplingParams(max_tokens=128), method="draft")
+    print(out.text, out.stats.acceptance_rate, out.stats.mean_accepted_length)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .decode import Decoder, FixedGamma, GammaPolicy
+from .drafters.base import Drafter
+from .drafters.draft_model import DraftModelDrafter, check_compatible
+from .drafters.nasd import NASDDrafter
+from .drafters.pld import PromptLookupDrafter
+from .errors import InvalidParameterError
+from .models import LoadedModel, load_model
+from .sampling import SamplingParams
+from .sequence import GenerationStats, Sequence
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+METHODS = ("ar", "draft", "pld", "nasd")
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    kinds: list[str]  # per token: plain / accepted / recovered / bonus
+    method: str
+    finish_reason: str
+    stats: GenerationStats
+
+    def to_json(self) -> dict:
+        s = self.stats.summary()
+        keys = ("new_tokens", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
+                "tokens_per_s", "wall_s")
+        extra = {k: v for k, v in s.items() if k not in keys}
+        return {"text": self.text, "token_ids": self.token_ids, "method": self.method,
+                "finish_reason": self.finish_reason, "stats": {**{k: s[k] for k in keys}, **extra}}
+
+
+def output_text(seq: Sequence, detok) -> str:
+    ids = seq.output_ids
+    text = detok(ids)
+    return text[:seq.stop_text_end] if seq.stop_text_end is not None else text
+
+
+class SpeculativeDecoder:
+    """A target model plus whatever the methods need (a draft model is loaded lazily when asked for)."""
+
+    def __init__(self, target: str | LoadedModel = DEFAULT_TARGET, draft: str | LoadedModel | None = DEFAULT_DRAFT,
+                 *, dtype: str = "bf16", backend: str = "native", progress: bool = True):
+        self.dtype, self.backend, self.progress = dtype, backend, progress
+        self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype, backend, progress)
+        self._draft_ref = draft
+        self._draft: LoadedModel | None = draft if isinstance(draft, LoadedModel) else None
+        if self._draft is not None:
+            self._check_draft(self._draft)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def draft(self) -> LoadedModel:
+        if self._draft is None:
+            if self._draft_ref is None:
+                raise InvalidParameterError("method 'draft' needs a draft model (--draft NAME_OR_PATH)")
+            d = load_model(self._draft_ref, self.dtype, self.backend, self.progress)
+            self._check_draft(d)
+            self._draft = d
+        return self._draft
+
+    def _check_draft(self, d: LoadedModel) -> None:
+        check_compatible(self.target.tokenizer, d.tokenizer, self.target.config, d.config)
+
+    def encode(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return self.tokenizer.apply_chat(prompt)
+        if not prompt:
+            raise InvalidParameterError("empty prompt")
+        if chat:
+            return self.tokenizer.apply_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def make_drafter(self, method: str, rows: int, capacity: int, **opts) -> Drafter | None:
+        if method == "ar":
+            return None
+        if method == "draft":
+            return DraftModelDrafter(self.draft.model, rows, capacity)
+        if method == "pld":
+            return PromptLookupDrafter(**opts)
+        if method == "nasd":
+            return NASDDrafter(**opts)
+        raise InvalidParameterError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+    def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
+                 method: str = "draft", gamma: int | GammaPolicy = 4, chat: bool = False,
+                 drafter_options: dict | None = None) -> GenerationResult:
+        params = params or SamplingParams()
+        ids = list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
+            else self.encode(prompt, chat)
+        policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
+        capacity = len(ids) + params.max_tokens + policy.max_gamma + 2
+        capacity = min(capacity, self.target.config.max_context + policy.max_gamma + 2)
+        drafter = self.make_drafter(method, 1, capacity, **(drafter_options or {}))
+        tok = self.tokenizer
+        dec = Decoder(self.target.model, drafter, policy, eos_ids=tok.eos_ids, detokenize=tok.decode,
+                      rows=1, capacity=capacity)
+        seq = Sequence(ids, params)
+        with torch.inference_mode():
+            dec.run([seq])
+        return GenerationResult(output_text(seq, tok.decode), seq.output_ids, seq.kinds, method,
+                                seq.finish_reason or "length", seq.stats)

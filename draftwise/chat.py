@@ -1,0 +1,141 @@
+"""``draftwise chat``: an interactive session. Type a prompt; slash commands change the settings."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+
+from .api import METHODS, SpeculativeDecoder
+from .cli import LEGEND, _params, _setup_threads, render, summary_line
+from .errors import DraftwiseError
+
+HELP = """commands:
+  /method NAME     drafting method: {methods}
+  /gamma N         draft tokens per step
+  /temp T          temperature (0 = greedy)    /top_p P   /top_k K   /seed S   /max N
+  /chat            toggle the chat template (on by default)
+  /color           toggle the coloured display of accepted / corrected / bonus tokens
+  /compare [M]     run plain decoding and method M (default: current) on the last prompt; show speedup
+  /stats           statistics of the last generation
+  /settings        show the current settings
+  /help            this text
+  /quit            leave"""
+
+
+class ChatSession:
+    def __init__(self, dw: SpeculativeDecoder, args, console: Console):
+        self.dw, self.args, self.console = dw, args, console
+        self.method, self.gamma, self.chat, self.colour = args.method, args.gamma, True, True
+        self.last_prompt: str | None = None
+        self.last = None
+
+    def settings(self) -> str:
+        a = self.args
+        return (f"method={self.method} gamma={self.gamma} temperature={a.temperature} top_p={a.top_p} "
+                f"top_k={a.top_k} max_tokens={a.max_tokens} seed={a.seed} chat={self.chat} colour={self.colour}")
+
+    def generate(self, prompt: str, method: str | None = None, show: bool = True):
+        res = self.dw.generate(prompt, _params(self.args), method=method or self.method, gamma=self.gamma,
+                               chat=self.chat)
+        if show:
+            render(res, self.dw.tokenizer, self.console, colour=self.colour)
+            self.console.print(f"[dim]{summary_line(res)}[/]{LEGEND if self.colour else ''}")
+        self.last = res
+        return res
+
+    def command(self, line: str) -> bool:
+        """Handle one slash command; False means quit."""
+        parts = line.split()
+        cmd, arg = parts[0].lower(), (parts[1] if len(parts) > 1 else None)
+        a = self.args
+        setters = {"/temp": ("temperature", float), "/top_p": ("top_p", float), "/top_k": ("top_k", int),
+                   "/seed": ("seed", int), "/max": ("max_tokens", int)}
+        if cmd in ("/quit", "/exit", "/q"):
+            return False
+        if cmd == "/help":
+            self.console.print(HELP.format(methods=", ".join(METHODS)), markup=False)
+        elif cmd == "/method":
+            if arg not in METHODS:
+                self.console.print(f"unknown method {arg!r}; choose one of {', '.join(METHODS)}")
+            else:
+                self.method = arg
+        elif cmd == "/gamma":
+            if arg is None or not arg.isdigit() or int(arg) < 1:
+                self.console.print("gamma must be an integer >= 1")
+            else:
+                self.gamma = int(arg)
+        elif cmd in setters:
+            name, conv = setters[cmd]
+            old = getattr(a, name)
+            try:
+                setattr(a, name, conv(arg))
+                _params(a)  # validate
+            except (TypeError, ValueError, DraftwiseError) as e:
+                setattr(a, name, old)
+                self.console.print(f"not changed: {e}", markup=False)
+        elif cmd == "/chat":
+            self.chat = not self.chat
+        elif cmd == "/color":
+            self.colour = not self.colour
+        elif cmd == "/stats":
+            if self.last is None:
+                self.console.print("no generation yet")
+            else:
+                for k, v in self.last.stats.summary().items():
+                    self.console.print(f"  {k}: {v}", markup=False)
+        elif cmd == "/settings":
+            self.console.print(self.settings(), markup=False)
+        elif cmd == "/compare":
+            self.compare(arg or self.method)
+        else:
+            self.console.print(f"unknown command {cmd}; /help lists them", markup=False)
+        return True
+
+    def compare(self, method: str) -> None:
+        if self.last_prompt is None:
+            self.console.print("type a prompt first")
+            return
+        if method not in METHODS:
+            self.console.print(f"unknown method {method!r}")
+            return
+        ar = self.generate(self.last_prompt, "ar", show=False)
+        sp = self.generate(self.last_prompt, method, show=False)
+        same = "identical" if ar.token_ids == sp.token_ids else "DIFFERENT (sampling, or a bug if greedy)"
+        self.console.print(f"ar     : {ar.stats.tokens_per_s:6.2f} tok/s  ({ar.stats.new_tokens} tokens)")
+        self.console.print(f"{method:<7}: {sp.stats.tokens_per_s:6.2f} tok/s  α {sp.stats.acceptance_rate:.2f} "
+                           f"τ {sp.stats.mean_accepted_length:.2f}")
+        speed = sp.stats.tokens_per_s / ar.stats.tokens_per_s if ar.stats.tokens_per_s else 0.0
+        self.console.print(f"speedup: {speed:.2f}x   outputs: {same}")
+
+    def loop(self, stdin=sys.stdin) -> int:
+        self.console.print(f"draftwise chat — {self.settings()}\n/help for commands, /quit to leave",
+                           markup=False)
+        while True:
+            try:
+                self.console.print("[bold]>>> [/]", end="")
+                line = stdin.readline()
+            except KeyboardInterrupt:
+                return 0
+            if not line:
+                return 0
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    return 0
+                continue
+            self.last_prompt = line
+            try:
+                self.generate(line)
+            except DraftwiseError as e:
+                self.console.print(f"error: {e}", markup=False)
+
+
+def run_chat(args) -> int:
+    _params(args)
+    _setup_threads(args)
+    console = Console(highlight=False)
+    dw = SpeculativeDecoder(args.target, args.draft, dtype=args.dtype, backend=args.backend)
+    return ChatSession(dw, args, console).loop()

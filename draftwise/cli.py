@@ -1,0 +1,151 @@
+"""Command line: ``draftwise generate``, ``draftwise chat`` (and the later ``bench`` / ``serve``).
+
+Every user error (unknown model, bad parameter, prompt too long, ...) is printed as one clear line on
+stderr with exit status 2 — never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .api import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
+from .errors import DraftwiseError, InvalidParameterError
+
+LEGEND = "  ([green]accepted draft[/] [bold red]corrected[/] [bold blue]bonus[/] plain)"
+COLOURS = {"plain": "", "accepted": "green", "recovered": "bold red", "bonus": "bold blue"}
+
+
+def _gamma(s: str) -> int:
+    try:
+        g = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"gamma must be an integer >= 1, got {s!r}") from None
+    if g < 1:
+        raise argparse.ArgumentTypeError(f"gamma must be >= 1, got {g}")
+    return g
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"model name, GGUF file, HF folder or hub id "
+                                                             f"(default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --method draft (default {DEFAULT_DRAFT})")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype (default bf16)")
+    p.add_argument("--backend", default="native", choices=["native", "hf"],
+                   help="native PyTorch Llama/Qwen2 (default) or any HF AutoModelForCausalLM")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="draft", choices=METHODS, help="drafting method (default draft)")
+    p.add_argument("--gamma", type=_gamma, default=4, help="draft tokens per step (default 4)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="draftwise", description="Lossless speculative decoding.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion for PROMPT")
+    g.add_argument("prompt")
+    _model_args(g)
+    _sampling_args(g)
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--no-color", action="store_true", help="plain text output")
+    c = sub.add_parser("chat", help="interactive session (/help inside)")
+    _model_args(c)
+    _sampling_args(c)
+    return ap
+
+
+def _params(args):
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
+
+
+def render(result, tokenizer, console, colour: bool = True) -> None:
+    """Print the output text with each token coloured by how it was produced."""
+    from rich.text import Text
+
+    if not colour:
+        console.print(result.text, markup=False, highlight=False)
+        return
+    out = Text()
+    tok = tokenizer
+    prev = ""
+    ids = result.token_ids
+    for i in range(len(ids)):
+        cur = tok.decode(ids[:i + 1])
+        piece = cur[len(prev):] if cur.startswith(prev) else ""
+        limit = len(result.text) - len(prev)
+        if limit <= 0:
+            break
+        out.append(piece[:limit], style=COLOURS.get(result.kinds[i], ""))
+        prev = cur
+    console.print(out)
+
+
+def summary_line(result) -> str:
+    s = result.stats
+    return (f"[{result.method}] {s.new_tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_s:.2f} tok/s | "
+            f"α {s.acceptance_rate:.2f} | τ {s.mean_accepted_length:.2f} | "
+            f"prefill {s.prefill_s:.2f}s draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s")
+
+
+def _setup_threads(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+
+
+def cmd_generate(args) -> int:
+    from rich.console import Console
+
+    params = _params(args)  # validate before loading anything
+    if not args.prompt:
+        raise InvalidParameterError("empty prompt")
+    _setup_threads(args)
+    from .api import SpeculativeDecoder
+
+    dw = SpeculativeDecoder(args.target, args.draft if args.method == "draft" else None, dtype=args.dtype,
+                            backend=args.backend, progress=not args.json)
+    result = dw.generate(args.prompt, params, method=args.method, gamma=args.gamma, chat=args.chat)
+    if args.json:
+        print(json.dumps(result.to_json(), ensure_ascii=False))
+        return 0
+    console = Console(no_color=args.no_color, highlight=False)
+    render(result, dw.tokenizer, console, colour=not args.no_color)
+    console.print(f"[dim]{summary_line(result)}[/]{'' if args.no_color else LEGEND}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "chat":
+            from .chat import run_chat
+
+            return run_chat(args)
+    except DraftwiseError as e:
+        print(f"draftwise: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""The one decode loop: propose → verify → accept → roll back, for a batch of sequences.
+
+Plain autoregressive decoding is this loop with no drafter (every step drafts 0 tokens and emits the
+target's own token). Every method — draft model, prompt lookup, NASD, later ones — is only a Drafter.
+
+Cache invariant: the target cache row of a sequence holds keys/values of all its tokens but the last.
+A step feeds [last token, d_1..d_k] (k+1 new entries); after n drafts are accepted the valid length is
+(tokens before the step) + n, so rolling back is setting the length.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .drafters.base import Draft, Drafter
+from .errors import InvalidParameterError, PromptTooLongError
+from .models.base import CausalLM
+from .sampling import logits_to_probs, sample
+from .sequence import ACCEPTED, BONUS, PLAIN, RECOVERED, Sequence
+from .verify import VerifyResult, verify_greedy, verify_sampled
+
+
+class GammaPolicy(Protocol):
+    """Chooses the draft length of each step (fixed, or adaptive from measured costs)."""
+
+    max_gamma: int
+
+    def choose(self, seqs: list[Sequence]) -> int: ...
+
+    def observe(self, k: int, accepted: list[int], step_s: float) -> None: ...
+
+
+@dataclass
+class FixedGamma:
+    gamma: int
+
+    def __post_init__(self):
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise InvalidParameterError(f"gamma must be an integer >= 1, got {self.gamma!r}")
+
+    @property
+    def max_gamma(self) -> int:
+        return self.gamma
+
+    def choose(self, seqs: list[Sequence]) -> int:
+        return self.gamma
+
+    def observe(self, k: int, accepted: list[int], step_s: float) -> None:
+        pass
+
+
+class Decoder:
+    """Runs sequences through the loop on a target model with an optional drafter.
+
+    ``rows`` bounds the running batch; ``capacity`` the tokens per sequence (prompt + output + draft
+    headroom). Running sequences always occupy cache rows 0..B-1 (compacted when one leaves).
+    """
+
+    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: GammaPolicy | None = None,
+                 *, eos_ids: frozenset[int] = frozenset(), detokenize=None, rows: int = 1,
+                 capacity: int | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.gamma = gamma if gamma is not None else FixedGamma(4)
+        self.eos_ids = eos_ids
+        self.detokenize = detokenize  # ids -> text, needed for stop strings
+        self.capacity = capacity or target.config.max_context
+        self.cache = target.new_cache(rows, self.capacity)
+        self.running: list[Sequence] = []
+
+    @property
+    def free_rows(self) -> int:
+        return self.cache.rows - len(self.running)
+
+    def check_fits(self, seq: Sequence) -> None:
+        headroom = self.gamma.max_gamma + 1 if self.drafter else 1
+        need = seq.prompt_len + seq.params.max_tokens + headroom
+        if seq.prompt_len == 0:
+            raise InvalidParameterError("empty prompt: give at least one token")
+        if seq.prompt_len >= self.target.config.max_context:
+            raise PromptTooLongError(f"prompt is {seq.prompt_len} tokens; the model's context is "
+                                     f"{self.target.config.max_context}")
+        if need > self.capacity:
+            room = self.capacity - seq.prompt_len - headroom
+            raise PromptTooLongError(
+                f"prompt ({seq.prompt_len} tokens) + max_tokens ({seq.params.max_tokens}) does not fit the "
+                f"context ({self.capacity} incl. {headroom} draft slots); max_tokens can be at most {room}")
+
+    # ---- admission -------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Prefill a new sequence into a free row and emit its first token."""
+        self.check_fits(seq)
+        if self.free_rows == 0:
+            raise RuntimeError("no free row")
+        t0 = time.perf_counter()
+        seq.row = len(self.running)
+        row = self.cache.view(slice(seq.row, seq.row + 1))
+        row.reset()
+        logits = self.target.forward(torch.tensor([seq.prompt_ids]), row, logits_for="last").logits[0, -1]
+        first = int(logits.argmax()) if seq.params.greedy else int(sample(logits_to_probs(logits, seq.params),
+                                                                         seq.generator))
+        seq.stats.target_passes += 1
+        self._append(seq, [first], [PLAIN])
+        if not seq.finished and self.drafter is not None:
+            self.drafter.start(seq)
+        seq.stats.prefill_s += time.perf_counter() - t0
+        self.running.append(seq)
+        if seq.finished:
+            self._remove(seq)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One propose → verify → accept round for every running sequence. Returns those that finished."""
+        seqs = self.running
+        if not seqs:
+            return []
+        B = len(seqs)
+        t0 = time.perf_counter()
+        # propose: clip the draft length to each sequence's remaining budget
+        K = self.gamma.choose(seqs) if self.drafter is not None else 0
+        ks = [max(0, min(K, s.remaining - 1)) for s in seqs]
+        drafts = self.drafter.propose(seqs, ks) if self.drafter is not None and max(ks) > 0 \
+            else [Draft([]) for _ in seqs]
+        t1 = time.perf_counter()
+        # verify: one target pass over [last token, drafts...] per row (right-padded)
+        T = 1 + max(len(d.tokens) for d in drafts)
+        x = torch.zeros(B, T, dtype=torch.long)
+        n_before = [len(s.tokens) for s in seqs]
+        for i, (s, d) in enumerate(zip(seqs, drafts)):
+            x[i, 0] = s.tokens[-1]
+            x[i, 1:1 + len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
+        view = self.cache.view(slice(0, B))
+        logits = self.target.forward(x, view, logits_for="all").logits  # (B, T, V)
+        results = [self._verify(s, d, logits[i, :1 + len(d.tokens)]) for i, (s, d) in enumerate(zip(seqs, drafts))]
+        view.set_lengths([n + r.num_accepted for n, r in zip(n_before, results)])  # roll back rejections
+        t2 = time.perf_counter()
+        for i, (s, d, r) in enumerate(zip(seqs, drafts, results)):
+            k = len(d.tokens)
+            kinds = [ACCEPTED] * r.num_accepted + [PLAIN if k == 0 else BONUS if r.bonus else RECOVERED]
+            s.stats.record_step(k, r.num_accepted)
+            s.stats.gammas.append(ks[i])
+            self._append(s, r.tokens, kinds)
+            if self.drafter is not None and not s.finished:
+                self.drafter.accept(s, n_before[i], r.num_accepted, logits[i, :r.num_accepted + 1])
+        t3 = time.perf_counter()
+        self.gamma.observe(K, [r.num_accepted for r in results], t3 - t0)
+        for s in seqs:
+            s.stats.draft_s += (t1 - t0) + (t3 - t2)
+            s.stats.verify_s += t2 - t1
+        done = [s for s in seqs if s.finished]
+        for s in done:
+            self._remove(s)
+        return done
+
+    def _verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> VerifyResult:
+        # logits: (k+1, V) target scores at [last token, d_1..d_k]
+        tokens = torch.tensor(draft.tokens, dtype=torch.long)
+        if seq.params.greedy:
+            return verify_greedy(logits, tokens)
+        return verify_sampled(logits_to_probs(logits, seq.params), tokens, draft.probs, seq.generator)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            seq.finish_reason = "abort"
+            self._remove(seq)
+
+    def _remove(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            self.drafter.release(seq)
+        idx = self.running.index(seq)
+        last = self.running[-1]
+        if last is not seq:  # compaction: the last row moves into the hole
+            self.cache.move_row(last.row, seq.row)
+            if self.drafter is not None:
+                self.drafter.move_row(last.row, seq.row)
+            last.row = seq.row
+            self.running[idx] = last
+        self.running.pop()
+        self.cache.reset(len(self.running))
+        seq.row = -1
+        seq.stats.wall_s = time.perf_counter() - seq.started
+
+    # ---- output bookkeeping ----------------------------------------------------------------------
+    def _append(self, seq: Sequence, tokens: list[int], kinds: list[str]) -> None:
+        """Append emitted tokens one by one, ending the output at EOS, a stop string or max_tokens."""
+        p = seq.params
+        for tok, kind in zip(tokens, kinds):
+            seq.tokens.append(tok)
+            seq.kinds.append(kind)
+            if tok in self.eos_ids and not p.ignore_eos:
+                seq.finish_reason = "stop"
+            elif p.stop and self.detokenize is not None:
+                text = self.detokenize(seq.output_ids)
+                cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    seq.finish_reason, seq.stop_text_end = "stop", cut
+            if seq.finish_reason is None and seq.num_output >= p.max_tokens:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                break
+        seq.stats.new_tokens = seq.num_output
+
+    def run(self, seqs: list[Sequence], on_step=None) -> list[Sequence]:
+        """Decode all sequences to completion (admitting waiting ones as rows free up)."""
+        waiting = list(seqs)
+        for s in waiting:
+            self.check_fits(s)
+        while waiting or self.running:
+            while waiting and self.free_rows:
+                self.add(waiting.pop(0))
+            if self.running:
+                self.step()
+            if on_step is not None:
+                on_step(seqs)
+        return seqs

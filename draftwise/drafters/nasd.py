@@ -1,0 +1,109 @@
+"""NASD: counted k-gram storage with a top-k filler.
+
+Storage: for every context length c in [1, N-1] (k-grams, k = c+1 in [2, N]) a table
+context -> {next token: weight, ...} with the running best next token. It is seeded with the prompt's
+k-grams, grows with every emitted token, and is *filled* after every verification with the target's
+top-k tokens at each verified position (what the target itself would say after that context), weighted
+below real observations. Drafting walks forward greedily: at each step the longest context present in
+storage wins (back-off from N-1 to 1), and its best next token is proposed; the draft stops at the first
+context no table knows.
+
+Lossless under sampling: the drafter is deterministic, so q is one-hot on each proposed token and the
+verifier accepts x with probability p(x) and resamples from p without x on rejection (verify.py). The
+original design accepted filler tokens without that correction, which biases sampled output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sequence import Sequence
+from .base import Draft, StatelessDrafter
+
+
+class _Table:
+    __slots__ = ("counts", "best", "best_w")
+
+    def __init__(self):
+        self.counts: dict[int, float] = {}
+        self.best = -1
+        self.best_w = 0.0
+
+    def add(self, tok: int, w: float) -> None:
+        c = self.counts.get(tok, 0.0) + w
+        self.counts[tok] = c
+        if c > self.best_w:
+            self.best, self.best_w = tok, c
+
+
+class _Storage:
+    def __init__(self, max_ctx: int):
+        self.max_ctx = max_ctx
+        self.tables: list[dict[tuple[int, ...], _Table]] = [{} for _ in range(max_ctx + 1)]  # by ctx len
+        self.upto = 0  # transitions into positions < upto are counted
+
+    def observe(self, toks: list[int]) -> None:
+        for e in range(max(self.upto, 1), len(toks)):  # token toks[e] after context toks[..e]
+            for c in range(1, min(self.max_ctx, e) + 1):
+                self._table(c, tuple(toks[e - c:e])).add(toks[e], 1.0)
+        self.upto = max(self.upto, len(toks))
+
+    def fill(self, context: list[int], tokens: list[int], weights: list[float]) -> None:
+        for c in range(1, min(self.max_ctx, len(context)) + 1):
+            t = self._table(c, tuple(context[-c:]))
+            for tok, w in zip(tokens, weights):
+                t.add(tok, w)
+
+    def _table(self, c: int, key: tuple[int, ...]) -> _Table:
+        t = self.tables[c].get(key)
+        if t is None:
+            t = self.tables[c][key] = _Table()
+        return t
+
+    def predict(self, context: list[int]) -> int | None:
+        for c in range(min(self.max_ctx, len(context)), 0, -1):
+            t = self.tables[c].get(tuple(context[-c:]))
+            if t is not None:
+                return t.best
+        return None
+
+
+class NASDDrafter(StatelessDrafter):
+    name = "nasd"
+
+    def __init__(self, max_ngram: int = 5, top_k: int = 4, filler_weight: float = 0.5):
+        if max_ngram < 2:
+            raise ValueError("max_ngram must be >= 2")
+        self.max_ngram, self.top_k, self.filler_weight = max_ngram, top_k, filler_weight
+
+    def start(self, seq: Sequence) -> None:
+        st = _Storage(self.max_ngram - 1)
+        st.observe(seq.tokens)
+        seq.drafter_state = st
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        out = []
+        for s, k in zip(seqs, ks):
+            st: _Storage = s.drafter_state
+            st.observe(s.tokens)
+            ctx = s.tokens[-st.max_ctx:]
+            draft: list[int] = []
+            while len(draft) < k:
+                nxt = st.predict(ctx)
+                if nxt is None:
+                    break
+                draft.append(nxt)
+                ctx = ctx[1:] + [nxt] if len(ctx) >= st.max_ctx else ctx + [nxt]
+            out.append(Draft(draft))
+        return out
+
+    def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor) -> None:
+        st: _Storage = seq.drafter_state
+        if self.top_k <= 0:
+            return
+        top = torch.topk(target_logits, min(self.top_k, target_logits.shape[-1]), dim=-1).indices  # (n+1, k)
+        weights = [self.filler_weight / (r + 1) for r in range(top.shape[1])]
+        for i in range(target_logits.shape[0]):  # row i: distribution after tokens[:n_before + i]
+            ctx = seq.tokens[max(0, n_before + i - st.max_ctx):n_before + i]
+            st.fill(ctx, top[i].tolist(), weights)
+        st.observe(seq.tokens)

@@ -1,0 +1,115 @@
+"""The model protocol every backend implements, and the KV cache it reads and writes.
+
+A backend is a plain module with an explicit cache::
+
+    out = model.forward(input_ids, cache, attn_mask=None, logits_for="all")
+
+``input_ids`` (B, T) are *new* tokens of B sequences. Sequence b's tokens are written to its cache row
+at slots ``cache.lengths[b] + t`` and attend to everything before them plus, among the new tokens,
+what ``attn_mask`` (B, T, T) allows (default: causal). RoPE positions default to the slots; a token
+tree passes its own (depth-based) ``positions``. After the call the cache holds the new tokens
+(``lengths += T``). Rolling back a rejection is ``cache.set_lengths(...)``: entries past the valid
+length are never read again and are overwritten by the next forward. No tensor surgery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    arch: str  # "llama" | "qwen2" | "hf"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    max_context: int
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # (B, T', V) float32, T' = T or 1 (logits_for="last")
+    hidden: torch.Tensor  # (B, T', D) final hidden states (after the last norm), same positions
+
+
+LogitsFor = Literal["all", "last"]
+
+
+class KVCache:
+    """Preallocated key/value cache; a row per sequence slot, the valid length of a row is a pointer.
+
+    k, v: (layers, rows, kv_heads, capacity, head_dim)
+    lengths: (rows,) int64 — valid entries per row
+    """
+
+    def __init__(self, num_layers: int, rows: int, num_kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, rows, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.long)
+        self.capacity = capacity
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    def length(self, row: int = 0) -> int:
+        return int(self.lengths[row])
+
+    def set_lengths(self, lengths: torch.Tensor | list[int] | int, rows: slice | None = None) -> None:
+        """Roll back (or forward, over entries already written) — the only way lengths change besides
+        a forward pass."""
+        target = self.lengths if rows is None else self.lengths[rows]
+        new = torch.as_tensor(lengths, dtype=torch.long).expand_as(target)
+        if bool((new < 0).any()) or bool((new > self.capacity).any()):
+            raise ValueError(f"cache lengths {new.tolist()} outside [0, {self.capacity}]")
+        target.copy_(new)
+
+    def reset(self, row: int | None = None) -> None:
+        if row is None:
+            self.lengths.zero_()
+        else:
+            self.lengths[row] = 0
+
+    def view(self, rows: slice) -> "KVCache":
+        """A cache over a subset of rows sharing this one's storage (writes and lengths go through)."""
+        sub = KVCache.__new__(KVCache)
+        sub.k, sub.v, sub.lengths, sub.capacity = self.k[:, rows], self.v[:, rows], self.lengths[rows], self.capacity
+        return sub
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row src's valid entries to row dst (batch compaction when a sequence leaves)."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class CausalLM(Protocol):
+    """What the decode loop needs from a model backend."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+
+    def new_cache(self, rows: int = 1, capacity: int | None = None) -> KVCache | object: ...
+
+    def forward(self, input_ids: torch.Tensor, cache, *, positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all") -> ModelOutput: ...

@@ -1,0 +1,108 @@
+"""Adapter: any HF ``AutoModelForCausalLM`` behind the draftwise model protocol.
+
+The HF ``DynamicCache`` is wrapped in an object with the same pointer semantics as ``KVCache``:
+``set_lengths`` only moves the pointer; the HF cache is cropped lazily at the next forward.
+One sequence at a time (rows=1): batching ragged sequences is the native backend's job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidParameterError, ModelNotFoundError
+from .base import LogitsFor, ModelConfig, ModelOutput
+
+
+class HFCache:
+    def __init__(self, capacity: int):
+        from transformers import DynamicCache
+
+        self.hf = DynamicCache()
+        self.lengths = torch.zeros(1, dtype=torch.long)
+        self.capacity = capacity
+
+    rows = 1
+
+    def length(self, row: int = 0) -> int:
+        return int(self.lengths[0])
+
+    def view(self, rows: slice) -> "HFCache":
+        if rows.start not in (0, None) or (rows.stop is not None and rows.stop > 1):
+            raise InvalidParameterError("the hf backend decodes one sequence at a time")
+        return self
+
+    def set_lengths(self, lengths, rows=None) -> None:
+        n = int(torch.as_tensor(lengths).reshape(-1)[0])
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"cache length {n} outside [0, {self.capacity}]")
+        self.lengths[0] = n
+
+    def reset(self, row: int | None = None) -> None:
+        self.set_lengths(0)
+
+    def move_row(self, src: int, dst: int) -> None:
+        raise InvalidParameterError("the hf backend decodes one sequence at a time")
+
+    def sync(self) -> None:
+        """Apply a pending rollback to the HF cache."""
+        n = int(self.lengths[0])
+        if self.hf.get_seq_length() > n:
+            self.hf.crop(n)
+
+
+class HFCausalLM:
+    def __init__(self, model, config: ModelConfig):
+        self.hf = model.eval()
+        self.config = config
+        self.dtype = next(model.parameters()).dtype
+
+    def new_cache(self, rows: int = 1, capacity: int | None = None) -> HFCache:
+        if rows != 1:
+            raise InvalidParameterError("the hf backend decodes one sequence at a time (rows=1)")
+        return HFCache(capacity or self.config.max_context)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: HFCache, *, positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all") -> ModelOutput:
+        if attn_mask is not None:
+            raise InvalidParameterError("the hf backend does not take custom (tree) attention masks")
+        cache.sync()
+        B, T = input_ids.shape
+        start = cache.length()
+        if positions is None:
+            positions = start + torch.arange(T)[None].expand(B, T)
+        out = self.hf(input_ids=input_ids, past_key_values=cache.hf, position_ids=positions, use_cache=True,
+                      output_hidden_states=True, logits_to_keep=1 if logits_for == "last" else 0)
+        cache.lengths[0] = start + T
+        hidden = out.hidden_states[-1]
+        if logits_for == "last":
+            hidden = hidden[:, -1:]
+        return ModelOutput(logits=out.logits.float(), hidden=hidden)
+
+
+def load_hf(src: Path | str, dtype: torch.dtype):
+    """Load with transformers from a folder, a hub id, or a GGUF file (de-quantized by transformers)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw: dict = {}
+    if isinstance(src, Path) and src.is_file():
+        kw = {"gguf_file": src.name}
+        src = src.parent
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src), **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype, **kw)
+    except OSError as e:
+        raise ModelNotFoundError(f"transformers could not load {src}: {str(e).splitlines()[0]}") from None
+    c = model.config
+    heads = getattr(c, "num_attention_heads", 1)
+    cfg = ModelConfig(
+        arch="hf", vocab_size=model.get_output_embeddings().weight.shape[0],
+        hidden_size=getattr(c, "hidden_size", 0), intermediate_size=getattr(c, "intermediate_size", 0),
+        num_layers=getattr(c, "num_hidden_layers", 0), num_heads=heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", heads) or heads,
+        head_dim=getattr(c, "head_dim", None) or getattr(c, "hidden_size", 0) // max(heads, 1),
+        rope_theta=0.0, rms_eps=0.0,
+        max_context=getattr(c, "max_position_embeddings", None) or 2048)
+    return HFCausalLM(model, cfg), tok

@@ -1,0 +1,192 @@
+"""Load weights, config and tokenizer from a GGUF file or an HF safetensors folder.
+
+GGUF tensors are de-quantized with the ``gguf`` package (Q4_K_M, Q4_1, Q8_0, F16, F32, ...), renamed
+to HF names, and cached as safetensors under ``$DRAFTWISE_HOME/converted/`` in the compute dtype, so the
+second load is a memory map instead of a de-quantization. No pickle is ever loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ModelNotFoundError
+from .base import ModelConfig
+from .registry import draftwise_home
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+CONVERT_VERSION = 1  # bump when the converted layout changes
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelNotFoundError(f"unsupported GGUF architecture {arch!r} (native backend: {SUPPORTED_ARCHS}); "
+                                 "use --backend hf for other models")
+    names = {t.name for t in reader.tensors}
+    n_vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.token_type"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(n_vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_context=int(_field(reader, f"{arch}.context_length", 4096)),
+        qkv_bias="blk.0.attn_q.bias" in names,
+        tie_embeddings="output.weight" not in names,
+    )
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp stores llama's Q/K rows interleaved per head for its RoPE; undo it (HF layout)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_state_dict(reader, cfg: ModelConfig, progress: bool = False) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+    from tqdm.auto import tqdm
+
+    sd: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc="de-quantize", disable=not progress, leave=False):
+        if t.name in _GGUF_TOP_NAMES:
+            name = _GGUF_TOP_NAMES[t.name]
+        elif t.name.startswith("blk."):
+            _, idx, rest = t.name.split(".", 2)
+            if rest not in _GGUF_LAYER_NAMES:
+                continue  # e.g. rope_freqs: unused
+            name = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        else:
+            continue
+        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        arr = arr.reshape([int(x) for x in reversed(t.shape)])  # GGUF dims are (in, out): reverse
+        if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            arr = _unpermute_rope(arr, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        sd[name] = torch.from_numpy(arr.copy() if not arr.flags.writeable else np.ascontiguousarray(arr))
+    return sd
+
+
+def hf_folder_config(folder: Path) -> ModelConfig:
+    c = json.loads((folder / "config.json").read_text())
+    arch = c.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelNotFoundError(f"{folder}: model_type {arch!r} is not in the native backend "
+                                 f"({SUPPORTED_ARCHS}); use --backend hf")
+    heads = c["num_attention_heads"]
+    return ModelConfig(
+        arch=arch, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads", heads),
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        rope_theta=float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        rms_eps=c.get("rms_norm_eps", 1e-6), max_context=c.get("max_position_embeddings", 4096),
+        qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+    )
+
+
+def hf_folder_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{folder}: no .safetensors weights (pickled .bin weights are never loaded)")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(f))
+    return sd
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def converted_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERT_VERSION}".encode())
+    return draftwise_home() / "converted" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+
+
+def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True):
+    """Return (config, state_dict in `dtype`, tokenizer folder). Converts once, then memory-maps."""
+    from safetensors.torch import load_file, save_file
+
+    out = converted_dir(path)
+    weights = out / f"model-{_dtype_name(dtype)}.safetensors"
+    cfg_file = out / "draftwise_config.json"
+    if weights.exists() and cfg_file.exists() and (out / "tokenizer_config.json").exists():
+        return ModelConfig(**json.loads(cfg_file.read_text())), load_file(weights), out
+
+    from gguf import GGUFReader
+
+    if progress:
+        print(f"draftwise: converting {path.name} (first load only) ...", file=sys.stderr)
+    reader = GGUFReader(str(path))
+    cfg = gguf_config(reader)
+    sd = {k: v.to(dtype) for k, v in gguf_state_dict(reader, cfg, progress).items()}
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if out.exists():  # another dtype converted before: keep its files
+        for f in out.iterdir():
+            os.link(f, tmp / f.name) if f.is_file() else None
+    _save_gguf_tokenizer(path, tmp)
+    save_file(sd, str(tmp / weights.name))
+    (tmp / cfg_file.name).write_text(json.dumps(cfg.to_dict(), indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return cfg, sd, out
+
+
+def _save_gguf_tokenizer(path: Path, dest: Path) -> None:
+    """Build the fast tokenizer + chat template from GGUF metadata (transformers' converter) and save it."""
+    import logging
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(dest))

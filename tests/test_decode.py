@@ -1,0 +1,216 @@
+"""End to end on tiny random models: every method's greedy output equals plain decoding, including
+forced partial acceptance, EOS and max_tokens inside an accepted block, stop strings, batches; and
+sampled speculative output has the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from draftwise.decode import Decoder, FixedGamma
+from draftwise.drafters.base import Draft, StatelessDrafter
+from draftwise.drafters.draft_model import DraftModelDrafter
+from draftwise.drafters.nasd import NASDDrafter
+from draftwise.drafters.pld import PromptLookupDrafter
+from draftwise.errors import InvalidParameterError, PromptTooLongError
+from draftwise.sampling import SamplingParams
+from draftwise.sequence import ACCEPTED, BONUS, RECOVERED, Sequence
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [4], [10, 11, 12, 10, 11, 12, 10, 11, 30, 31]]
+CAP = 160
+
+
+def run(model, drafter, prompts, params, gamma=4, rows=1, eos=frozenset(), detok=None):
+    dec = Decoder(model, drafter, FixedGamma(gamma), rows=rows, capacity=CAP, eos_ids=eos, detokenize=detok)
+    seqs = [Sequence(list(p), params) for p in prompts]
+    dec.run(seqs)
+    return seqs
+
+
+class OracleDrafter(StatelessDrafter):
+    """Proposes the target's own greedy continuation (from a reference run), corrupting draft position
+    ``corrupt_at`` — forces partial acceptance at a known place."""
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], corrupt_at: int | None, vocab: int):
+        self.ref, self.corrupt_at, self.vocab = reference, corrupt_at, vocab
+
+    def propose(self, seqs, ks):
+        out = []
+        for s, k in zip(seqs, ks):
+            n = len(s.tokens)
+            d = self.ref[n:n + k]
+            if self.corrupt_at is not None and self.corrupt_at < len(d):
+                d[self.corrupt_at] = (d[self.corrupt_at] + 1) % self.vocab
+            out.append(Draft(d))
+        return out
+
+
+def drafters(tiny_draft, rows=1):
+    return [DraftModelDrafter(tiny_draft, rows, CAP), PromptLookupDrafter(), NASDDrafter()]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_every_method_greedy_equals_plain(tiny_target, tiny_draft, gamma):
+    params = SamplingParams(max_tokens=48)
+    ref = [s.output_ids for s in run(tiny_target, None, PROMPTS, params)]
+    for d in drafters(tiny_draft):
+        out = [s.output_ids for s in run(tiny_target, d, PROMPTS, params, gamma=gamma)]
+        assert out == ref, d.name
+
+
+def test_plain_decoding_tau_is_one(tiny_target):
+    s = run(tiny_target, None, [PROMPTS[0]], SamplingParams(max_tokens=20))[0]
+    assert s.stats.mean_accepted_length == 1.0 and s.stats.drafted == 0 and s.stats.new_tokens == 20
+
+
+def test_draft_model_equal_to_target_accepts_everything(tiny_target):
+    s = run(tiny_target, DraftModelDrafter(tiny_target, 1, CAP), [PROMPTS[1]], SamplingParams(max_tokens=41),
+            gamma=4)[0]
+    assert s.stats.acceptance_rate == 1.0
+    assert s.stats.new_tokens == 41
+    # prefill emits 1; then 8 steps of 4 drafts + bonus = 40
+    assert s.stats.target_passes == 9 and s.stats.mean_accepted_length == pytest.approx(41 / 9)
+
+
+@pytest.mark.parametrize("corrupt_at", [0, 1, 2, 3])
+def test_forced_partial_acceptance(tiny_target, corrupt_at):
+    params = SamplingParams(max_tokens=30)
+    ref = run(tiny_target, None, [PROMPTS[0]], params)[0]
+    s = run(tiny_target, OracleDrafter(ref.tokens, corrupt_at, 96), [PROMPTS[0]], params, gamma=4)[0]
+    assert s.output_ids == ref.output_ids
+    assert s.stats.accepted_by_position[corrupt_at] == 0
+    assert all(a == d for a, d in zip(s.stats.accepted_by_position[:corrupt_at],
+                                      s.stats.drafted_by_position[:corrupt_at]))
+    # each full step emits corrupt_at accepted + 1 recovered token; only the last step, clipped to the
+    # token budget below the corrupted position, may end with a bonus token
+    assert RECOVERED in s.kinds and s.kinds.count(BONUS) <= 1
+    assert s.kinds.count(ACCEPTED) == s.stats.accepted
+
+
+def test_eos_inside_accepted_block_ends_output(tiny_target):
+    params = SamplingParams(max_tokens=40)
+    ref = run(tiny_target, None, [PROMPTS[0]], params)[0].output_ids
+    eos_tok = ref[6]  # a token the target emits at position 6 (inside a 4-token block)
+    first = ref.index(eos_tok)
+    oracle = OracleDrafter(list(PROMPTS[0]) + ref, None, 96)
+    for drafter in [None, oracle]:
+        s = run(tiny_target, drafter, [PROMPTS[0]], params, gamma=4, eos=frozenset({eos_tok}))[0]
+        assert s.output_ids == ref[:first + 1] and s.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 7, 13])
+def test_max_tokens_exact_inside_block(tiny_target, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens)
+    ref = run(tiny_target, None, [PROMPTS[2]], SamplingParams(max_tokens=20))[0].output_ids
+    oracle = OracleDrafter(list(PROMPTS[2]) + ref, None, 96)
+    s = run(tiny_target, oracle, [PROMPTS[2]], params, gamma=4)[0]
+    assert s.output_ids == ref[:max_tokens] and s.finish_reason == "length"
+
+
+def test_stop_string_cuts_text(tiny_target):
+    detok = lambda ids: "".join(chr(97 + t % 26) for t in ids)  # noqa: E731 — a toy detokenizer
+    ref = run(tiny_target, None, [PROMPTS[0]], SamplingParams(max_tokens=30))[0].output_ids
+    stop = detok(ref[5:7])
+    s = run(tiny_target, OracleDrafter(list(PROMPTS[0]) + ref, None, 96), [PROMPTS[0]],
+            SamplingParams(max_tokens=30, stop=(stop,)), detok=detok)[0]
+    text = detok(s.output_ids)
+    assert s.finish_reason == "stop" and stop in text
+    assert text[:s.stop_text_end] == detok(ref)[:detok(ref).find(stop)]
+
+
+def test_batched_ragged_acceptance_matches_single(tiny_target, tiny_draft):
+    params = SamplingParams(max_tokens=30)
+    ref = [s.output_ids for s in run(tiny_target, None, PROMPTS, params)]
+    for rows in (2, 4):
+        for d in [None] + drafters(tiny_draft, rows):
+            out = run(tiny_target, d, PROMPTS, params, rows=rows)
+            assert [s.output_ids for s in out] == ref, (rows, getattr(d, "name", "ar"))
+
+
+def test_batched_different_lengths_and_params(tiny_target, tiny_draft):
+    """Mixed greedy / sampled / max_tokens in one batch: the greedy ones are unaffected."""
+    ref = run(tiny_target, None, [PROMPTS[0]], SamplingParams(max_tokens=25))[0].output_ids
+    dec = Decoder(tiny_target, DraftModelDrafter(tiny_draft, 3, CAP), FixedGamma(3), rows=3, capacity=CAP)
+    seqs = [Sequence(PROMPTS[0], SamplingParams(max_tokens=25)),
+            Sequence(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=9, seed=1)),
+            Sequence(PROMPTS[3], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=40, seed=2))]
+    dec.run(seqs)
+    assert seqs[0].output_ids == ref
+    assert seqs[1].num_output == 9 and seqs[2].num_output <= 40
+
+
+def test_rollback_leaves_cache_consistent(tiny_target, tiny_draft):
+    """After decoding, the cache equals one built by a fresh prefill of all tokens but the last."""
+    dec = Decoder(tiny_target, DraftModelDrafter(tiny_draft, 1, CAP), FixedGamma(5), rows=1, capacity=CAP)
+    seq = Sequence(PROMPTS[0], SamplingParams(max_tokens=100))
+    dec.add(seq)
+    for _ in range(6):
+        dec.step()
+    n = len(seq.tokens) - 1
+    assert dec.cache.length(0) == n
+    fresh = tiny_target.new_cache(1, CAP)
+    tiny_target.forward(torch.tensor([seq.tokens[:-1]]), fresh)
+    torch.testing.assert_close(dec.cache.k[:, 0, :, :n], fresh.k[:, 0, :, :n], atol=1e-4, rtol=1e-4)
+
+
+def test_bad_input(tiny_target):
+    dec = Decoder(tiny_target, None, FixedGamma(2), rows=1, capacity=CAP)
+    with pytest.raises(InvalidParameterError):
+        dec.add(Sequence([], SamplingParams()))
+    with pytest.raises(PromptTooLongError):
+        dec.add(Sequence([1] * 100, SamplingParams(max_tokens=100)))
+    with pytest.raises(PromptTooLongError):
+        Decoder(tiny_target, None, rows=1, capacity=1000).add(Sequence([1] * 600, SamplingParams(max_tokens=1)))
+    with pytest.raises(InvalidParameterError):
+        FixedGamma(0)
+
+
+def _first_two_tokens_exact(model, prompt, params):
+    """Exact joint distribution of the next two tokens under the target (by enumeration)."""
+    from draftwise.sampling import logits_to_probs
+
+    cache = model.new_cache(1, 64)
+    l0 = model.forward(torch.tensor([prompt]), cache, logits_for="last").logits[0, -1]
+    p0 = logits_to_probs(l0, params)
+    V = p0.shape[0]
+    joint = torch.zeros(V, V)
+    n = cache.length()
+    for t in torch.nonzero(p0 > 0).flatten().tolist():
+        cache.set_lengths(n)
+        l1 = model.forward(torch.tensor([[t]]), cache).logits[0, -1]
+        joint[t] = p0[t] * logits_to_probs(l1, params)
+    return joint
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("method", ["draft", "nasd"])
+def test_sampled_output_distribution_matches_target(method):
+    """Speculative sampling end to end (model + cache + rollback): the joint distribution of the first
+    two output tokens matches the target's exact one (chi-square at a fixed seed)."""
+    from draftwise.models.transformer import random_model
+    from tests.conftest import TINY, perturbed
+
+    cfg = TINY.__class__(**{**TINY.to_dict(), "vocab_size": 6})
+    target = random_model(cfg, seed=11)
+    draft = perturbed(target, 0.8, seed=12)
+    prompt = [1, 2, 3]
+    params = SamplingParams(temperature=1.0, max_tokens=2, seed=None)
+    exact = _first_two_tokens_exact(target, prompt, params)
+    dec_drafter = DraftModelDrafter(draft, 1, 64) if method == "draft" else NASDDrafter()
+    dec = Decoder(target, dec_drafter, FixedGamma(3), rows=1, capacity=64)
+    counts = torch.zeros(6, 6)
+    n = 3000
+    g = torch.Generator().manual_seed(2024)
+    for _ in range(n):
+        seq = Sequence(prompt, params, generator=torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=g))))
+        dec.run([seq])
+        a, b = seq.output_ids
+        counts[a, b] += 1
+    mask = exact.flatten() * n >= 5
+    obs, exp = counts.flatten()[mask], exact.flatten()[mask] * n
+    exp = exp * obs.sum() / exp.sum()
+    _, pval = chisquare(obs.numpy(), exp.numpy())
+    assert pval > 1e-3
