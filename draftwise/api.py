@@ -55,7 +55,7 @@ class SpeculativeDecoder:
     """A target model plus whatever the methods need (a draft model is loaded lazily when asked for)."""
 
     def __init__(self, target: str | LoadedModel = DEFAULT_TARGET, draft: str | LoadedModel | None = DEFAULT_DRAFT,
-                 *, dtype: str = "bf16", backend: str = "native", progress: bool = True):
+                 *, dtype: str = "auto", backend: str = "native", progress: bool = True):
         self.dtype, self.backend, self.progress = dtype, backend, progress
         self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype, backend, progress)
         self._draft_ref = draft

@@ -32,7 +32,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"model name, GGUF file, HF folder or hub id "
                                                              f"(default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --method draft (default {DEFAULT_DRAFT})")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype (default bf16)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "gguf", "int8", "int4", "bf16", "fp32"],
+                   help="weight format: auto (a GGUF keeps its own quantization, exact; else bf16), gguf, "
+                        "int8 / int4 (round-to-nearest, groups of 32), bf16, fp32")
     p.add_argument("--backend", default="native", choices=["native", "hf"],
                    help="native PyTorch Llama/Qwen2 (default) or any HF AutoModelForCausalLM")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +13,9 @@ from .base import CausalLM, KVCache, ModelConfig, ModelOutput
 from .registry import MODELS, resolve
 from .tokenizer import Tokenizer
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-          "float32": torch.float32}
+DENSE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+QUANTIZED = ("gguf", "int8", "int4")
+WEIGHT_FORMATS = ("auto", *QUANTIZED, *DENSE)
 
 
 @dataclass
@@ -24,50 +24,94 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer
     load_s: float
+    weights: str = "bf16"  # the weight format it runs with
 
     @property
     def config(self) -> ModelConfig:
         return self.model.config
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise InvalidParameterError(f"unknown dtype {dtype!r}; choose one of {sorted(set(DTYPES))}")
-    return DTYPES[dtype]
+def resolve_weights(weights: str | torch.dtype, src: Path | str, backend: str) -> str:
+    """Pick the weight format. ``auto``: a GGUF file keeps its own quantization (exact, ~4-6 bits per
+    weight, fastest here) when the kernel builds; anything else runs in bf16."""
+    if isinstance(weights, torch.dtype):
+        weights = {v: k for k, v in DENSE.items()}.get(weights, str(weights))
+    weights = {"bfloat16": "bf16", "float32": "fp32"}.get(weights, weights)
+    if weights not in WEIGHT_FORMATS:
+        raise InvalidParameterError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if backend == "hf" and weights in QUANTIZED:
+        raise InvalidParameterError(f"--dtype {weights} needs the native backend; the hf backend runs bf16 or fp32")
+    if weights == "auto":
+        if backend == "native" and isinstance(src, Path) and src.is_file():
+            from ..kernels import extension
+
+            return "gguf" if extension() is not None else "bf16"
+        return "bf16"
+    if weights == "gguf" and not (isinstance(src, Path) and src.is_file()):
+        raise InvalidParameterError("--dtype gguf keeps a GGUF file's own quantization; this model is not a GGUF "
+                                    "file (use int8 / int4 / bf16 / fp32)")
+    return weights
 
 
-def load_model(name_or_path: str, dtype: str | torch.dtype = "bf16", backend: str = "native",
+def _quantize_linears(sd: dict[str, torch.Tensor], bits: int) -> dict[str, torch.Tensor]:
+    """Round-to-nearest groupwise quantization of every projection matrix (not embeddings, not norms)."""
+    from ..kernels import quantize_rtn
+
+    out = {}
+    for k, v in sd.items():
+        if v.dim() == 2 and k != "model.embed_tokens.weight" and v.shape[1] % 32 == 0:
+            q, scale, minv = quantize_rtn(v.float(), bits, 32)
+            out.update({k + ".q": q, k + ".scale": scale, k + ".qmeta": torch.tensor([32, bits])})
+            if minv is not None:
+                out[k + ".minv"] = minv
+        else:
+            out[k] = v
+    return out
+
+
+def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: str = "native",
                progress: bool = True) -> LoadedModel:
-    """Load a model by name (see ``MODELS``), GGUF path, HF folder or HF hub id."""
+    """Load a model by name (see ``MODELS``), GGUF path, HF folder or HF hub id.
+
+    ``dtype`` is the weight format: auto | gguf | int8 | int4 | bf16 | fp32 (see ``resolve_weights``).
+    Quantized formats compute in fp32 with the int4/int8 kernel; bf16 computes in bf16.
+    """
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
-    dt = parse_dtype(dtype)
+    if backend not in ("native", "hf"):
+        raise InvalidParameterError(f"unknown backend {backend!r}; choose native or hf")
     src = resolve(name_or_path, progress)
+    weights = resolve_weights(dtype, src, backend)
+    compute = DENSE.get(weights, torch.float32)
     if backend == "hf":
         from .hf import load_hf
 
-        model, tok = load_hf(src, dt)
-        return LoadedModel(name_or_path, model, Tokenizer.from_hf(tok), time.perf_counter() - t0)
-    if backend != "native":
-        raise InvalidParameterError(f"unknown backend {backend!r}; choose native or hf")
+        model, tok = load_hf(src, compute)
+        return LoadedModel(name_or_path, model, Tokenizer.from_hf(tok), time.perf_counter() - t0, weights)
     from .loading import hf_folder_config, hf_folder_state_dict, load_gguf
     from .transformer import from_state_dict
 
     if isinstance(src, str):  # hub id: download the folder (needs the hub)
         src = _snapshot(src)
+    dense = torch.float32 if weights in ("int8", "int4") else compute
     if src.is_file():
-        cfg, sd, tok_dir = load_gguf(src, dt, progress)
+        cfg, sd, tok_dir = load_gguf(src, "gguf" if weights == "gguf" else dense, progress)
     else:
         cfg, sd, tok_dir = hf_folder_config(src), hf_folder_state_dict(src), src
-    model = from_state_dict(cfg, sd, dt)
+    if weights in ("int8", "int4"):
+        sd = _quantize_linears(sd, 8 if weights == "int8" else 4)
+    model = from_state_dict(cfg, sd, compute)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    return LoadedModel(name_or_path, model, Tokenizer.from_hf(tok), time.perf_counter() - t0)
+    return LoadedModel(name_or_path, model, Tokenizer.from_hf(tok), time.perf_counter() - t0, weights)
 
 
 def _snapshot(repo_id: str) -> Path:
+    from .registry import hub_reachable
+
+    if not hub_reachable():
+        raise ModelNotFoundError(f"{repo_id!r} looks like a model hub id, but the hub is not reachable from "
+                                 "this machine; give a GGUF file, an HF folder or a named model")
     try:
         from huggingface_hub import snapshot_download
 
@@ -79,4 +123,4 @@ def _snapshot(repo_id: str) -> Path:
 
 
 __all__ = ["CausalLM", "KVCache", "LoadedModel", "MODELS", "ModelConfig", "ModelOutput", "Tokenizer",
-           "load_model", "parse_dtype"]
+           "WEIGHT_FORMATS", "load_model", "resolve_weights"]

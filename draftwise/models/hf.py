@@ -47,9 +47,9 @@ class HFCache:
 
     def sync(self) -> None:
         """Apply a pending rollback to the HF cache."""
-        n = int(self.lengths[0])
-        if self.hf.get_seq_length() > n:
-            self.hf.crop(n)
+        n, cur = int(self.lengths[0]), self.hf.get_seq_length()
+        if cur > n:
+            self.hf.crop(n - cur)  # negative = drop that many (the form every transformers version takes)
 
 
 class HFCausalLM:

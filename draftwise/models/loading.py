@@ -78,32 +78,53 @@ def gguf_config(reader) -> ModelConfig:
     )
 
 
-def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp stores llama's Q/K rows interleaved per head for its RoPE; undo it (HF layout)."""
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def _unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp stores llama's Q/K rows interleaved per head for its RoPE; undo it (HF layout).
+    Works on weights and on per-row quantized codes and scales alike."""
+    half = t.shape[0] // n_head // 2
+    return t.reshape(n_head, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
 
 
-def gguf_state_dict(reader, cfg: ModelConfig, progress: bool = False) -> dict[str, torch.Tensor]:
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    return None  # e.g. rope_freqs: unused
+
+
+def gguf_state_dict(reader, cfg: ModelConfig, progress: bool = False, keep_quantized: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """HF-named tensors. With ``keep_quantized``, block-quantized matrices stay in their exact integer
+    code as ``NAME.q / NAME.scale / NAME.minv / NAME.qmeta`` (see kernels/gguf_quant.py); everything
+    else is de-quantized to float32."""
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
+    from ..kernels.gguf_quant import parse
+
     sd: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="de-quantize", disable=not progress, leave=False):
-        if t.name in _GGUF_TOP_NAMES:
-            name = _GGUF_TOP_NAMES[t.name]
-        elif t.name.startswith("blk."):
-            _, idx, rest = t.name.split(".", 2)
-            if rest not in _GGUF_LAYER_NAMES:
-                continue  # e.g. rope_freqs: unused
-            name = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
-        else:
+        name = _hf_name(t.name)
+        if name is None:
             continue
-        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        arr = arr.reshape([int(x) for x in reversed(t.shape)])  # GGUF dims are (in, out): reverse
+        shape = [int(x) for x in reversed(t.shape)]  # GGUF dims are (in, out): reverse
+        n_head = None
         if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            arr = _unpermute_rope(arr, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
-        sd[name] = torch.from_numpy(arr.copy() if not arr.flags.writeable else np.ascontiguousarray(arr))
+            n_head = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+        code = parse(t.data, t.tensor_type.name, tuple(shape)) if keep_quantized and len(shape) == 2 else None
+        if code is not None:
+            parts = {"q": code.q, "scale": code.scale, "minv": code.minv}
+            for key, val in parts.items():
+                if val is not None:
+                    sd[f"{name}.{key}"] = _unpermute_rows(val, n_head) if n_head else val
+            sd[f"{name}.qmeta"] = torch.tensor([code.group, code.bits])
+            continue
+        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        w = torch.from_numpy(arr.copy() if not arr.flags.writeable else np.ascontiguousarray(arr))
+        sd[name] = _unpermute_rows(w, n_head) if n_head else w
     return sd
 
 
@@ -148,12 +169,14 @@ def converted_dir(gguf_path: Path) -> Path:
     return draftwise_home() / "converted" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
 
 
-def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True):
-    """Return (config, state_dict in `dtype`, tokenizer folder). Converts once, then memory-maps."""
+def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True):
+    """Return (config, state_dict, tokenizer folder). ``dtype`` is a torch dtype (dense weights in it) or
+    "gguf" (keep the file's own quantization, exact). Converts once, then memory-maps."""
     from safetensors.torch import load_file, save_file
 
     out = converted_dir(path)
-    weights = out / f"model-{_dtype_name(dtype)}.safetensors"
+    tag = dtype if isinstance(dtype, str) else _dtype_name(dtype)
+    weights = out / f"model-{tag}.safetensors"
     cfg_file = out / "draftwise_config.json"
     if weights.exists() and cfg_file.exists() and (out / "tokenizer_config.json").exists():
         return ModelConfig(**json.loads(cfg_file.read_text())), load_file(weights), out
@@ -164,14 +187,18 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True):
         print(f"draftwise: converting {path.name} (first load only) ...", file=sys.stderr)
     reader = GGUFReader(str(path))
     cfg = gguf_config(reader)
-    sd = {k: v.to(dtype) for k, v in gguf_state_dict(reader, cfg, progress).items()}
+    sd = gguf_state_dict(reader, cfg, progress, keep_quantized=dtype == "gguf")
+    if not isinstance(dtype, str):
+        sd = {k: v.to(dtype) for k, v in sd.items()}
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if out.exists():  # another dtype converted before: keep its files
+    if out.exists():  # another format converted before: keep its files
         for f in out.iterdir():
-            os.link(f, tmp / f.name) if f.is_file() else None
-    _save_gguf_tokenizer(path, tmp)
+            if f.is_file():
+                os.link(f, tmp / f.name)
+    if not (tmp / "tokenizer_config.json").exists():
+        _save_gguf_tokenizer(path, tmp)
     save_file(sd, str(tmp / weights.name))
     (tmp / cfg_file.name).write_text(json.dumps(cfg.to_dict(), indent=1))
     shutil.rmtree(out, ignore_errors=True)

@@ -97,9 +97,26 @@ def _bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, leave=False)
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP probe of the hub endpoint, so offline machines fall back at once, not after retries."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _try_hub(model: NamedModel, dest: Path) -> bool:
     """Fetch from the model hub. Returns False (quietly) when the hub is unreachable."""
-    if not model.hub_repo or os.environ.get("HF_HUB_OFFLINE") == "1":
+    if not model.hub_repo or not hub_reachable():
         return False
     try:
         from huggingface_hub import hf_hub_download

@@ -163,35 +163,98 @@ class Transformer(nn.Module):
         return ModelOutput(logits=self.lm_head(h).float(), hidden=h)
 
 
+class Concat(nn.Module):
+    """Several linear layers over the same input whose outputs are concatenated (a fused projection
+    whose parts could not be merged into one matrix, e.g. differently quantized q/k/v)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def _linear(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype, bias: str | None = None) -> nn.Module:
+    """A dense nn.Linear, or a QLinear when the weight is stored as a quantized code."""
+    b = sd.get(bias) if bias else None
+    if name + ".q" in sd:
+        from ..kernels import QLinear
+
+        group, bits = (int(v) for v in sd[name + ".qmeta"])
+        return QLinear(sd[name + ".q"], sd[name + ".scale"], sd.get(name + ".minv"), group, bits, b)
+    w = sd[name].to(dtype)
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    if b is not None:
+        lin.bias = nn.Parameter(b.to(dtype), requires_grad=False)
+    return lin
+
+
+def _fuse(parts: list[nn.Module]) -> nn.Module:
+    """Merge linears with the same input into one matmul where their storage formats agree."""
+    from ..kernels import QLinear
+
+    def key(m):
+        if isinstance(m, QLinear):
+            return ("q", m.group, m.bits, m.minv.numel() > 0, m.bias is not None)
+        return ("dense", m.weight.dtype, m.bias is not None)
+
+    merged: list[nn.Module] = []
+    for m in parts:
+        prev = merged[-1] if merged else None
+        if prev is None or key(prev) != key(m):
+            merged.append(m)
+            continue
+        if isinstance(m, QLinear):
+            cat = lambda a, b: torch.cat([a, b]) if a.numel() else a  # noqa: E731
+            merged[-1] = QLinear(torch.cat([prev.q, m.q]), torch.cat([prev.scale, m.scale]), cat(prev.minv, m.minv),
+                                 m.group, m.bits, None if m.bias is None else torch.cat([prev.bias, m.bias]))
+        else:
+            w = torch.cat([prev.weight, m.weight])
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=m.bias is not None, device="meta")
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            if m.bias is not None:
+                lin.bias = nn.Parameter(torch.cat([prev.bias, m.bias]), requires_grad=False)
+            merged[-1] = lin
+    return merged[0] if len(merged) == 1 else Concat(merged)
+
+
+def _embedding_weight(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+    if name + ".q" in sd:  # the lookup table is only indexed, never streamed: keep it dense
+        from ..kernels import dequantize
+
+        group, bits = (int(v) for v in sd[name + ".qmeta"])
+        return dequantize(sd[name + ".q"], sd[name + ".scale"], sd.get(name + ".minv"), group, bits).to(dtype)
+    return sd[name].to(dtype)
+
+
 def from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
-    """Build a Transformer from HF-named tensors (fusing q/k/v and gate/up)."""
+    """Build a Transformer from HF-named tensors (dense or quantized codes), fusing q/k/v and gate/up."""
     with torch.device("meta"):
         model = Transformer(cfg, dtype)
-    own: dict[str, torch.Tensor] = {}
-
-    def take(name: str) -> torch.Tensor:
-        return sd[name].to(dtype)
-
-    own["embed.weight"] = take("model.embed_tokens.weight")
-    own["norm.weight"] = take("model.norm.weight")
-    head = sd.get("lm_head.weight")
-    own["lm_head.weight"] = own["embed.weight"] if head is None else head.to(dtype)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        o = f"layers.{i}."
-        own[o + "attn_norm.weight"] = take(p + "input_layernorm.weight")
-        own[o + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
-        own[o + "attn.qkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        if cfg.qkv_bias:
-            own[o + "attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        own[o + "attn.o.weight"] = take(p + "self_attn.o_proj.weight")
-        own[o + "mlp.gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                   take(p + "mlp.up_proj.weight")])
-        own[o + "mlp.down.weight"] = take(p + "mlp.down_proj.weight")
-    model.load_state_dict(own, assign=True, strict=True)
-    if head is None:
+    emb = "model.embed_tokens.weight"
+    model.embed = nn.Embedding.from_pretrained(_embedding_weight(sd, emb, dtype), freeze=True)
+    model.norm.weight = nn.Parameter(sd["model.norm.weight"].to(dtype), requires_grad=False)
+    head = "lm_head.weight" if ("lm_head.weight" in sd or "lm_head.weight.q" in sd) else emb
+    model.lm_head = _linear(sd, head, dtype) if head != emb or emb + ".q" in sd else None
+    if model.lm_head is None:  # tied, dense: share the table
+        model.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
         model.lm_head.weight = model.embed.weight
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        layer.attn_norm.weight = nn.Parameter(sd[p + "input_layernorm.weight"].to(dtype), requires_grad=False)
+        layer.mlp_norm.weight = nn.Parameter(sd[p + "post_attention_layernorm.weight"].to(dtype), requires_grad=False)
+        layer.attn.qkv = _fuse([_linear(sd, p + f"self_attn.{n}_proj.weight", dtype,
+                                        p + f"self_attn.{n}_proj.bias" if cfg.qkv_bias else None) for n in "qkv"])
+        layer.attn.o = _linear(sd, p + "self_attn.o_proj.weight", dtype)
+        layer.mlp.gate_up = _fuse([_linear(sd, p + "mlp.gate_proj.weight", dtype),
+                                   _linear(sd, p + "mlp.up_proj.weight", dtype)])
+        layer.mlp.down = _linear(sd, p + "mlp.down_proj.weight", dtype)
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise ValueError(f"weight {name} missing from the checkpoint")
     return model.eval()
 
 
@@ -203,5 +266,6 @@ def random_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.flo
         if name.endswith("norm.weight"):
             continue
         fan_in = p.shape[-1] if p.dim() > 1 else 1
-        p.copy_(torch.randn(p.shape, generator=g) * (1.0 / math.sqrt(fan_in)) * (3.0 if "lm_head" in name or "embed" in name else 1.0))
-    return model.eval()
+        scale = 3.0 if "lm_head" in name or "embed" in name else 1.0  # spread-out logits, not flat ones
+        p.copy_(torch.randn(p.shape, generator=g) * scale / math.sqrt(fan_in))
+    return model.to(dtype).eval()

@@ -1,0 +1,115 @@
+"""Weight-only quantized linear layers for CPU decoding (int8 / int4 groupwise, fp32 activations).
+
+The C++ kernel (qmm.cpp) is compiled on first use with torch's extension builder (-O3 -march=native,
+cached under ~/.cache/torch_extensions). Where it cannot be built, a pure-torch path computes the same
+thing (slower). ``QLinear`` is a drop-in for ``nn.Linear`` in the native model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+_ext = None
+_ext_lock = threading.Lock()
+_ext_failed = False
+
+
+def extension():
+    """The compiled kernel module, or None when it cannot be built here."""
+    global _ext, _ext_failed
+    if _ext is not None or _ext_failed:
+        return _ext
+    with _ext_lock:
+        if _ext is None and not _ext_failed:
+            if os.environ.get("DRAFTWISE_NO_KERNELS") == "1":
+                _ext_failed = True
+                return None
+            try:
+                from torch.utils.cpp_extension import load
+
+                _ext = load(name="draftwise_qmm", sources=[str(Path(__file__).with_name("qmm.cpp"))],
+                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"],
+                            verbose=False)
+            except Exception as e:  # no compiler, no ninja, ...
+                log.warning("draftwise: quantized kernel unavailable (%s); using the slower torch path", e)
+                _ext_failed = True
+    return _ext
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int) -> torch.Tensor:
+    """(N, K) float32 weights from the packed code (the reference the kernel is tested against)."""
+    N = q.shape[0]
+    if bits == 4:
+        b = q.view(N, -1, 16)  # (N, K/32, 16)
+        vals = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(N, -1).float()  # (N, K)
+    else:
+        vals = q.float()
+    K = vals.shape[1]
+    w = vals.view(N, K // group, group) * scale.view(N, -1, 1)
+    if minv is not None and minv.numel():
+        w = w - minv.view(N, -1, 1)
+    return w.view(N, K)
+
+
+class QLinear(nn.Module):
+    """y = x @ W^T (+ b) with W held as (q, scale, minv) groups; see qmm.cpp for the layout."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.bits, self.group = bits, group
+        self.in_features = q.shape[1] * (2 if bits == 4 else 1)
+        self.out_features = q.shape[0]
+        self.register_buffer("q", q.contiguous())  # (N, K) int8 | (N, K/2) uint8
+        self.register_buffer("scale", scale.float().contiguous())  # (N, K/G)
+        self.register_buffer("minv", (minv if minv is not None else torch.empty(0)).float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self._dense: torch.Tensor | None = None  # fallback only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()  # (M, K)
+        ext = extension()
+        if ext is not None:
+            y = ext.qmm(x2, self.q, self.scale, self.minv, self.group, self.bits)
+        else:
+            if self._dense is None:
+                self._dense = dequantize(self.q, self.scale, self.minv, self.group, self.bits)
+            y = x2 @ self._dense.t()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits}, group={self.group}"
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest groupwise quantization of dense (N, K) weights (for HF folders / F16 GGUFs).
+    int8: symmetric; int4: affine (scale and min per group). Returns (q, scale, minv)."""
+    N, K = w.shape
+    g = w.float().view(N, K // group, group)
+    if bits == 8:
+        scale = g.abs().amax(-1) / 127.0
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = torch.round(g / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(N, K)
+        return q, scale, None
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15.0
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)  # (N, K/G, G)
+    return pack4(q.view(N, K)), scale, -lo
+
+
+def pack4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) uint8 values in [0, 15] → (N, K/2): per 32-group, byte j = q[j] | q[j+16] << 4."""
+    N, K = q.shape
+    b = q.view(N, K // 32, 2, 16)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(N, K // 2).contiguous()

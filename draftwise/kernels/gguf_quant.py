@@ -1,0 +1,114 @@
+"""GGUF quantized tensors → the (q, scale, minv, group, bits) code of ``QLinear``, exactly.
+
+Every supported GGML block format is an affine code per group of weights,
+``w = scale * q - minv``, so its integers and scales are re-laid out, never re-quantized:
+
+| GGML  | group | q range   | kernel |  | GGML | group | q range   | kernel |
+|-------|-------|-----------|--------|--|------|-------|-----------|--------|
+| Q4_0  | 32    | 0..15 (-8)| int4   |  | Q8_0 | 32    | -127..127 | int8   |
+| Q4_1  | 32    | 0..15     | int4   |  | Q5_0 | 32    | -16..15   | int8   |
+| Q4_K  | 32    | 0..15     | int4   |  | Q5_K | 32    | 0..31     | int8   |
+|       |       |           |        |  | Q6_K | 16    | -32..31   | int8   |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import pack4
+
+QK_K = 256
+
+
+@dataclass
+class QCode:
+    q: torch.Tensor  # (N, K) int8 or (N, K/2) uint8 (int4 packed)
+    scale: torch.Tensor  # (N, K/G) float32
+    minv: torch.Tensor | None  # (N, K/G) float32
+    group: int
+    bits: int
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12-byte packed 6-bit scales and mins of Q4_K / Q5_K super-blocks → (n, 8) each."""
+    n = scales.shape[0]
+    s = scales.reshape(n, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _low_high(qs: np.ndarray, width: int) -> np.ndarray:
+    """(n, c*width) bytes → (n, c, 2, width) nibbles: per chunk, low nibbles then high nibbles."""
+    n = qs.shape[0]
+    b = qs.reshape(n, -1, 1, width)
+    return (b >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+
+
+def parse(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> QCode | None:
+    """Decode raw GGUF block bytes (rows, bytes_per_row) of an (N, K) tensor. None = not a block format
+    handled here (F32/F16/BF16 and others are de-quantized to dense instead)."""
+    N, K = shape
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if qtype in ("Q4_0", "Q4_1"):
+        bs = 18 if qtype == "Q4_0" else 20
+        blk = raw.reshape(-1, bs)
+        d = _f16(blk[:, 0:2])[:, 0]
+        if qtype == "Q4_0":
+            minv, qs = 8.0 * d, blk[:, 2:]
+        else:
+            minv, qs = -_f16(blk[:, 2:4])[:, 0], blk[:, 4:]
+        # a block's 16 bytes already hold q[j] (low) and q[j+16] (high): the kernel's int4 layout
+        return QCode(torch.from_numpy(qs.reshape(N, K // 2).copy()), torch.from_numpy(d.reshape(N, K // 32)),
+                     torch.from_numpy(minv.reshape(N, K // 32).copy()), 32, 4)
+    if qtype == "Q8_0":
+        blk = raw.reshape(-1, 34)
+        d = _f16(blk[:, 0:2])[:, 0]
+        q = blk[:, 2:].view(np.int8)
+        return QCode(torch.from_numpy(q.reshape(N, K).copy()), torch.from_numpy(d.reshape(N, K // 32)), None, 32, 8)
+    if qtype == "Q5_0":
+        blk = raw.reshape(-1, 22)
+        d = _f16(blk[:, 0:2])[:, 0]
+        qh = np.ascontiguousarray(blk[:, 2:6]).view(np.uint32).reshape(-1, 1)
+        hi = ((qh >> np.arange(32, dtype=np.uint32).reshape(1, 32)) & 1).astype(np.uint8)  # (n, 32)
+        lo = _low_high(blk[:, 6:], 16).reshape(-1, 32)
+        q = (lo | (hi << 4)).astype(np.int8) - np.int8(16)
+        return QCode(torch.from_numpy(q.reshape(N, K)), torch.from_numpy(d.reshape(N, K // 32)), None, 32, 8)
+    if qtype in ("Q4_K", "Q5_K"):
+        bs = 144 if qtype == "Q4_K" else 176
+        blk = raw.reshape(-1, bs)
+        d, dmin = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])  # (n, 1)
+        sc, mn = _k_scale_min(blk[:, 4:16])
+        scale, minv = d * sc, dmin * mn  # (n, 8): exact in fp32 (11-bit × 6-bit)
+        if qtype == "Q4_K":
+            q = _low_high(blk[:, 16:], 32).reshape(-1, 8, 32)  # sub-block 2c = low nibbles of chunk c
+            qv = torch.from_numpy(q.reshape(N, K).copy())
+            return QCode(pack4(qv), torch.from_numpy(scale.reshape(N, K // 32)),
+                         torch.from_numpy(minv.reshape(N, K // 32)), 32, 4)
+        qh = blk[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        ql = _low_high(blk[:, 48:], 32).reshape(-1, 8, 32)
+        q = (ql | ((qh & 1) << 4)).astype(np.int8)
+        return QCode(torch.from_numpy(q.reshape(N, K)), torch.from_numpy(scale.reshape(N, K // 32)),
+                     torch.from_numpy(minv.reshape(N, K // 32)), 32, 8)
+    if qtype == "Q6_K":
+        blk = raw.reshape(-1, 210)
+        ql, qh = blk[:, 0:128], blk[:, 128:192]
+        scales = blk[:, 192:208].view(np.int8).astype(np.float32)
+        d = _f16(blk[:, 208:210])
+        lo = _low_high(ql, 64).reshape(-1, 4, 32)  # (n, 4, 32) per 64-byte half: [lo, hi] nibbles
+        lo = lo.reshape(-1, 2, 2, 2, 32)  # (n, half, nibble, part, 32)
+        hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        # value index within a 128-half: 32*j + l, j = 0..3 ; low 4 bits from ql, high 2 from qh
+        low = np.stack([lo[:, :, 0, 0], lo[:, :, 0, 1], lo[:, :, 1, 0], lo[:, :, 1, 1]], axis=2)  # (n,2,4,32)
+        q = ((low | (hi << 4)).astype(np.int8) - np.int8(32)).reshape(-1, QK_K)
+        scale = d * scales  # (n, 16)
+        return QCode(torch.from_numpy(q.reshape(N, K)), torch.from_numpy(scale.reshape(N, K // 16)), None, 16, 8)
+    return None

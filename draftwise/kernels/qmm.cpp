@@ -1,0 +1,134 @@
+// Weight-only quantized matrix multiply for CPU decoding: out = x @ dequant(W)^T.
+//
+// W is stored per output row n as groups of G consecutive input weights with an affine code
+//   w[n, k] = scale[n, g] * q[n, k] - minv[n, g],   g = k / G
+// q: int8 (bits = 8, one byte per weight) or uint4 (bits = 4, two per byte: in each 32-weight group,
+// byte j holds q[j] in its low nibble and q[j + 16] in its high nibble). This represents the GGUF
+// k-quants (Q4_K, Q6_K, Q5_0, Q8_0, Q4_0, Q4_1, Q5_K) exactly, so nothing is re-quantized.
+//
+// Activations and accumulation are fp32. Each output row m is computed by exactly the same sequence of
+// operations whatever the number of rows M, so results are batch-invariant (a token's logits do not
+// depend on how many tokens share the forward pass) — speculative decoding stays token-exact.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int MB_MAX = 8;  // rows of x processed per pass over a weight row (weights stay in L1)
+
+template <int MB, int BITS>
+inline void row_kernel(const float* __restrict x, int64_t K, const uint8_t* __restrict qn,
+                       const float* __restrict sn, const float* __restrict mn, const float* __restrict xs,
+                       int64_t G, float* __restrict out, int64_t N) {
+  const int64_t ng = K / G;
+#if defined(__AVX512F__)
+  __m512 acc[MB];
+  float corr[MB];
+  for (int i = 0; i < MB; ++i) { acc[i] = _mm512_setzero_ps(); corr[i] = 0.f; }
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 part[MB];
+    for (int i = 0; i < MB; ++i) part[i] = _mm512_setzero_ps();
+    const int64_t k0 = g * G;
+    if (BITS == 8) {
+      for (int64_t k = k0; k < k0 + G; k += 16) {
+        __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qn + k))));
+        for (int i = 0; i < MB; ++i) part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k), w, part[i]);
+      }
+    } else {
+      for (int64_t k = k0; k < k0 + G; k += 32) {
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qn + k / 2)));
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+        for (int i = 0; i < MB; ++i) {
+          part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k), lo, part[i]);
+          part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k + 16), hi, part[i]);
+        }
+      }
+    }
+    const __m512 s = _mm512_set1_ps(sn[g]);
+    for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(part[i], s, acc[i]);
+    if (mn) for (int i = 0; i < MB; ++i) corr[i] += mn[g] * xs[i * ng + g];
+  }
+  for (int i = 0; i < MB; ++i) out[i * N] = _mm512_reduce_add_ps(acc[i]) - corr[i];
+#else
+  for (int i = 0; i < MB; ++i) {
+    float acc = 0.f, corr = 0.f;
+    for (int64_t g = 0; g < ng; ++g) {
+      float part = 0.f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+        int q;
+        if (BITS == 8) q = (int8_t)qn[k];
+        else { int64_t j = k % 32, base = (k / 32) * 16; q = j < 16 ? (qn[base + j] & 15) : (qn[base + j - 16] >> 4); }
+        part += x[i * K + k] * (float)q;
+      }
+      acc += part * sn[g];
+      if (mn) corr += mn[g] * xs[i * ng + g];
+    }
+    out[i * N] = acc - corr;
+  }
+#endif
+}
+
+template <int BITS>
+void dispatch_rows(int mb, const float* x, int64_t K, const uint8_t* qn, const float* sn, const float* mn,
+                   const float* xs, int64_t G, float* out, int64_t N) {
+  switch (mb) {
+    case 1: row_kernel<1, BITS>(x, K, qn, sn, mn, xs, G, out, N); break;
+    case 2: row_kernel<2, BITS>(x, K, qn, sn, mn, xs, G, out, N); break;
+    case 3: row_kernel<3, BITS>(x, K, qn, sn, mn, xs, G, out, N); break;
+    case 4: row_kernel<4, BITS>(x, K, qn, sn, mn, xs, G, out, N); break;
+    case 5: row_kernel<5, BITS>(x, K, qn, sn, mn, xs, G, out, N); break;
+    case 6: row_kernel<6, BITS>(x, K, qn, sn, mn, xs, G, out, N); break;
+    case 7: row_kernel<7, BITS>(x, K, qn, sn, mn, xs, G, out, N); break;
+    default: row_kernel<8, BITS>(x, K, qn, sn, mn, xs, G, out, N); break;
+  }
+}
+
+}  // namespace
+
+// x: (M, K) f32; q: (N, K) int8 or (N, K/2) uint8; scale, minv: (N, K/G) f32 (minv may be empty)
+torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minv, int64_t G,
+                  int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: (M, K) f32");
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 4 or 8");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(K % G == 0 && G % (bits == 8 ? 16 : 32) == 0, "bad group size");
+  TORCH_CHECK(q.size(1) == (bits == 8 ? K : K / 2), "q shape does not match K");
+  TORCH_CHECK(scale.size(0) == N && scale.size(1) == K / G, "scale shape");
+  const bool has_min = minv.numel() > 0;
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  torch::Tensor xs;  // (M, K/G) group sums of x for the affine offset, summed in a fixed order per row
+  if (has_min) {
+    xs = torch::empty({M, K / G}, x.options());
+    float* xsw = xs.data_ptr<float>();
+    for (int64_t i = 0; i < M * (K / G); ++i) {
+      float s = 0.f;
+      for (int64_t k = 0; k < G; ++k) s += xp[i * G + k];
+      xsw[i] = s;
+    }
+  }
+  const uint8_t* qp = (const uint8_t*)q.data_ptr();
+  const float* sp = scale.data_ptr<float>();
+  const float* mp = has_min ? minv.data_ptr<float>() : nullptr;
+  const float* xsp = has_min ? xs.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t qrow = bits == 8 ? K : K / 2, ng = K / G;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
+        const int mb = (int)std::min<int64_t>(MB_MAX, M - m0);
+        const float* mn = mp ? mp + n * ng : nullptr;
+        const float* xsm = xsp ? xsp + m0 * ng : nullptr;
+        if (bits == 8)
+          dispatch_rows<8>(mb, xp + m0 * K, K, qp + n * qrow, sp + n * ng, mn, xsm, G, op + m0 * N + n, N);
+        else
+          dispatch_rows<4>(mb, xp + m0 * K, K, qp + n * qrow, sp + n * ng, mn, xsm, G, op + m0 * N + n, N);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("qmm", &qmm, "weight-only quantized matmul (CPU)"); }

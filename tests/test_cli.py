@@ -1,0 +1,88 @@
+"""CLI contract: --json shape, and every bad input gives one clear error line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftwise.cli import main
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_shape(capsys, hf_folder):
+    code, out, _ = run_cli(capsys, "generate", "def quicksort(arr):", "--target", str(hf_folder), "--method", "pld",
+                           "--max-tokens", "12", "--json")
+    assert code == 0
+    obj = json.loads(out)
+    assert set(obj) >= {"text", "token_ids", "method", "stats"}
+    assert obj["method"] == "pld" and isinstance(obj["text"], str)
+    assert all(isinstance(t, int) for t in obj["token_ids"])
+    for key, typ in [("new_tokens", int), ("drafted", int), ("accepted", int), ("acceptance_rate", float),
+                     ("mean_accepted_length", float), ("tokens_per_s", float), ("wall_s", float)]:
+        assert isinstance(obj["stats"][key], typ), key
+
+
+def test_methods_same_tokens_through_cli(capsys, hf_folder):
+    ids = {}
+    for method in ["ar", "draft", "pld", "nasd"]:
+        code, out, _ = run_cli(capsys, "generate", "hello world", "--target", str(hf_folder), "--draft",
+                               str(hf_folder), "--method", method, "--max-tokens", "16", "--json")
+        assert code == 0
+        ids[method] = json.loads(out)["token_ids"]
+    assert ids["draft"] == ids["pld"] == ids["nasd"] == ids["ar"]
+
+
+def test_coloured_output_and_summary(capsys, hf_folder):
+    code, out, _ = run_cli(capsys, "generate", "hello world", "--target", str(hf_folder), "--draft", str(hf_folder),
+                           "--max-tokens", "10")
+    assert code == 0 and "tok/s" in out and "α" in out and "τ" in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gamma", "0"], "gamma"),
+    (["--gamma", "x"], "gamma"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--max-tokens", "0"], "max_tokens"),
+])
+def test_bad_parameters(capsys, hf_folder, args, needle):
+    try:
+        code = main(["generate", "hi", "--target", str(hf_folder), *args])
+    except SystemExit as e:  # argparse-level errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_unknown_model(capsys):
+    code, _, err = run_cli(capsys, "generate", "hi", "--target", "no-such-model", "--method", "ar")
+    assert code == 2 and "unknown model 'no-such-model'" in err
+
+
+def test_vocab_mismatch(capsys, hf_folder, hf_folder_other_vocab):
+    code, _, err = run_cli(capsys, "generate", "hi", "--target", str(hf_folder), "--draft",
+                           str(hf_folder_other_vocab), "--method", "draft")
+    assert code == 2 and "vocabular" in err
+
+
+def test_empty_prompt(capsys, hf_folder):
+    code, _, err = run_cli(capsys, "generate", "", "--target", str(hf_folder), "--method", "ar")
+    assert code == 2 and "empty prompt" in err
+
+
+def test_prompt_longer_than_context(capsys, hf_folder):
+    code, _, err = run_cli(capsys, "generate", "hello world " * 200, "--target", str(hf_folder), "--method", "ar")
+    assert code == 2 and "context" in err and "Traceback" not in err
+
+
+def test_chat_template(capsys, hf_folder):
+    code, out, _ = run_cli(capsys, "generate", "hello", "--target", str(hf_folder), "--method", "ar", "--chat",
+                           "--max-tokens", "4", "--json")
+    assert code == 0 and json.loads(out)["stats"]["new_tokens"] >= 1

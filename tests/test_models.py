@@ -1,0 +1,179 @@
+"""Model backend: cache pointer semantics, batch invariance (what makes speculation token-exact),
+tree masks, GGUF de-quantization and layout, HF folder loading, and the HF adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftwise.models.base import KVCache
+from draftwise.models.transformer import random_model
+from tests.conftest import TINY, TINY_QWEN
+
+
+def test_cache_pointer_rollback_and_views():
+    c = KVCache(2, 3, 2, 16, 4, torch.float32)
+    c.set_lengths([5, 6, 7])
+    v = c.view(slice(1, 3))
+    v.set_lengths(2)
+    assert c.lengths.tolist() == [5, 2, 2]
+    v.k[0, 0, 0, 0, 0] = 1.0
+    assert c.k[0, 1, 0, 0, 0] == 1.0  # shares storage
+    c.k[:, 2, :, :2] = 3.0
+    c.move_row(2, 0)
+    assert c.lengths[0] == 2 and bool((c.k[:, 0, :, :2] == 3.0).all())
+    with pytest.raises(ValueError):
+        c.set_lengths(17)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_forward_many_equals_one_by_one(dtype):
+    """Verification (T tokens in one pass) computes each token exactly like plain decoding does."""
+    m = random_model(TINY_QWEN, seed=3, dtype=dtype)
+    toks = torch.randint(0, TINY.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    a, b = m.new_cache(1, 64), m.new_cache(1, 64)
+    m.forward(toks[:, :6], a)
+    m.forward(toks[:, :6], b)
+    many = m.forward(toks[:, 6:], a).logits  # (1, 6, V)
+    one = torch.cat([m.forward(toks[:, i:i + 1], b).logits for i in range(6, 12)], dim=1)
+    if dtype == torch.bfloat16:  # bf16 matmuls are row-invariant on CPU: bit-exact
+        assert torch.equal(many, one)
+    else:
+        torch.testing.assert_close(many, one, atol=1e-4, rtol=1e-4)
+
+
+def test_batch_rows_equal_single_rows_bf16():
+    m = random_model(TINY_QWEN, seed=4, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 9, 5)]
+    batch = m.new_cache(3, 64)
+    singles = []
+    for i, p in enumerate(prompts):
+        m.forward(torch.tensor([p]), batch.view(slice(i, i + 1)))
+        c = m.new_cache(1, 64)
+        m.forward(torch.tensor([p]), c)
+        singles.append(c)
+    nxt = torch.randint(0, 96, (3, 4), generator=g)
+    out = m.forward(nxt, batch).logits
+    for i, c in enumerate(singles):
+        assert torch.equal(out[i], m.forward(nxt[i:i + 1], c).logits[0])
+
+
+def test_tree_attention_mask():
+    """A custom mask over the new tokens: a branch token that cannot see its sibling gets the same
+    logits as if the sibling were not there (the basis of token-tree verification)."""
+    m = random_model(TINY, seed=5)
+    prefix = torch.tensor([[1, 2, 3, 4]])
+    a, b = m.new_cache(1, 32), m.new_cache(1, 32)
+    m.forward(prefix, a)
+    m.forward(prefix, b)
+    # new tokens: x (depth 0), y (depth 1, child of x), z (depth 1, child of x, sibling of y)
+    mask = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    positions = torch.tensor([[4, 5, 5]])
+    tree = m.forward(torch.tensor([[7, 8, 9]]), a, positions=positions, attn_mask=mask).logits
+    chain = m.forward(torch.tensor([[7, 9]]), b).logits  # x then z, no y
+    torch.testing.assert_close(tree[0, 2], chain[0, 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tree[0, 0], chain[0, 0], atol=1e-5, rtol=1e-5)
+
+
+def _write_gguf(path, model, arch="llama", qtypes=("F32",)):
+    """Write a tiny model as llama.cpp would: GGUF names, Q/K rows permuted for llama, quantized."""
+    import gguf
+    from gguf.quants import quantize
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_context)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+    def permute(x, n_head):  # what llama.cpp's converter does to HF q/k weights
+        return x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    tensors = {"token_embd.weight": model.embed.weight, "output_norm.weight": model.norm.weight,
+               "output.weight": model.lm_head.weight}
+    for i, layer in enumerate(model.layers):
+        q, k, v = layer.attn.qkv.weight.split([nh * hd, nkv * hd, nkv * hd])
+        gate, up = layer.mlp.gate_up.weight.split(cfg.intermediate_size)
+        if arch == "llama":
+            q, k = permute(q, nh), permute(k, nkv)
+        tensors.update({f"blk.{i}.attn_q.weight": q, f"blk.{i}.attn_k.weight": k, f"blk.{i}.attn_v.weight": v,
+                        f"blk.{i}.attn_output.weight": layer.attn.o.weight, f"blk.{i}.ffn_gate.weight": gate,
+                        f"blk.{i}.ffn_up.weight": up, f"blk.{i}.ffn_down.weight": layer.mlp.down.weight,
+                        f"blk.{i}.attn_norm.weight": layer.attn_norm.weight,
+                        f"blk.{i}.ffn_norm.weight": layer.mlp_norm.weight})
+        if cfg.qkv_bias:
+            qb, kb, vb = layer.attn.qkv.bias.split([nh * hd, nkv * hd, nkv * hd])
+            tensors.update({f"blk.{i}.attn_q.bias": qb, f"blk.{i}.attn_k.bias": kb, f"blk.{i}.attn_v.bias": vb})
+    for j, (name, t) in enumerate(tensors.items()):
+        arr = t.detach().float().numpy()
+        qt = getattr(gguf.GGMLQuantizationType, qtypes[j % len(qtypes)]) if arr.ndim == 2 else \
+            gguf.GGMLQuantizationType.F32
+        data = quantize(arr, qt) if qt != gguf.GGMLQuantizationType.F32 else arr
+        w.add_tensor(name, data, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch,qtypes,tol", [("llama", ("F32",), 0.0), ("qwen2", ("F16",), 2e-3),
+                                             ("llama", ("Q8_0", "F16"), 2e-2)])
+def test_gguf_dequantize_and_layout(tmp_path, arch, qtypes, tol):
+    from gguf import GGUFReader
+
+    from draftwise.models.loading import gguf_config, gguf_state_dict
+
+    cfg = TINY_QWEN if arch == "qwen2" else TINY
+    cfg = cfg.__class__(**{**cfg.to_dict(), "hidden_size": 64, "head_dim": 16, "intermediate_size": 128})
+    m = random_model(cfg, seed=7)
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, m, arch, qtypes)
+    reader = GGUFReader(str(path))
+    got = gguf_config(reader)
+    assert (got.arch, got.num_layers, got.num_heads, got.num_kv_heads, got.head_dim, got.qkv_bias) == \
+        (arch, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, arch == "qwen2")
+    sd = gguf_state_dict(reader, got)
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, _ = m.layers[1].attn.qkv.weight.split([nh * hd, nkv * hd, nkv * hd])
+    for name, ref in [("model.layers.1.self_attn.q_proj.weight", q), ("model.layers.1.self_attn.k_proj.weight", k),
+                      ("model.layers.1.mlp.down_proj.weight", m.layers[1].mlp.down.weight)]:
+        err = (sd[name] - ref).abs().max().item() / ref.abs().max().item()
+        assert err <= tol + 1e-7, (name, err)
+
+
+def test_hf_folder_native_equals_transformers(hf_folder):
+    """Native backend vs the HF adapter (transformers' own Llama) on the same folder: same greedy tokens."""
+    from draftwise import SamplingParams, SpeculativeDecoder
+
+    native = SpeculativeDecoder(str(hf_folder), None, dtype="fp32", progress=False)
+    hf = SpeculativeDecoder(str(hf_folder), None, dtype="fp32", backend="hf", progress=False)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in ["def quicksort(arr):", "hello world", "the lazy dog"]:
+        a = native.generate(prompt, params, method="ar")
+        b = hf.generate(prompt, params, method="ar")
+        assert a.token_ids == b.token_ids
+        # speculation on the HF adapter: rollback through DynamicCache.crop
+        c = hf.generate(prompt, params, method="pld")
+        d = hf.generate(prompt, params, method="nasd", gamma=3)
+        assert c.token_ids == a.token_ids == d.token_ids
+
+
+def test_unknown_and_bad_model_refs(tmp_path):
+    from draftwise.errors import ModelNotFoundError
+    from draftwise.models import load_model
+
+    with pytest.raises(ModelNotFoundError, match="unknown model"):
+        load_model("no-such-model")
+    (tmp_path / "x.bin").write_bytes(b"\0")
+    with pytest.raises(ModelNotFoundError):
+        load_model(str(tmp_path / "x.bin"))
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        load_model(str(tmp_path))

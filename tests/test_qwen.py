@@ -1,0 +1,28 @@
+"""The Qwen2.5-Coder 1.5B target / 0.5B draft pair (the defaults). Large: marked `qwen`.
+
+The issue's done-when check: greedy output of every method equals plain decoding, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftwise import SamplingParams, SpeculativeDecoder
+
+pytestmark = pytest.mark.qwen
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return SpeculativeDecoder(progress=False)
+
+
+@pytest.mark.parametrize("prompt", ["def quicksort(arr):"])
+def test_every_method_equals_plain_on_qwen(pair, prompt):
+    params = SamplingParams(max_tokens=128)
+    ar = pair.generate(prompt, params, method="ar")
+    assert "def quicksort" in prompt + ar.text and "return" in ar.text
+    for method in ["draft", "pld", "nasd"]:
+        r = pair.generate(prompt, params, method=method)
+        assert r.token_ids == ar.token_ids, method
+    r = pair.generate(prompt, params, method="draft")
+    assert r.stats.acceptance_rate > 0.6 and r.stats.mean_accepted_length > 2.5
