@@ -1,0 +1,81 @@
+"""The int8/int4 weight-only kernel and the exact GGUF block decoding feeding it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from draftwise.kernels import QLinear, dequantize, extension, quantize_rtn
+from draftwise.kernels.gguf_quant import parse
+
+CASES = [(8, 16), (8, 32), (4, 32)]
+
+
+@pytest.mark.parametrize("bits,group", CASES)
+@pytest.mark.parametrize("with_min", [False, True])
+def test_kernel_matches_dequantized_matmul(bits, group, with_min):
+    g = torch.Generator().manual_seed(bits * 100 + group)
+    w = torch.randn(72, 256, generator=g)
+    q, scale, minv = quantize_rtn(w, bits, group)
+    if with_min and minv is None:
+        minv = torch.randn(scale.shape, generator=g) * 0.01
+    if not with_min:
+        minv = None
+    lin = QLinear(q, scale, minv, group, bits, bias=torch.randn(72, generator=g))
+    x = torch.randn(11, 256, generator=g)
+    ref = x @ dequantize(q, scale, minv, group, bits).t() + lin.bias
+    torch.testing.assert_close(lin(x), ref, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("bits,group", CASES)
+def test_kernel_is_batch_invariant(bits, group):
+    """A row's result does not depend on how many rows share the call (incl. >8-row chunking)."""
+    g = torch.Generator().manual_seed(7)
+    lin = QLinear(*quantize_rtn(torch.randn(40, 128, generator=g), bits, group), group, bits)
+    x = torch.randn(13, 128, generator=g)
+    full = lin(x)
+    for i in range(13):
+        assert torch.equal(lin(x[i:i + 1]), full[i:i + 1])
+    assert torch.equal(lin(x[3:9]), full[3:9])
+
+
+def test_kernel_builds_here():
+    assert extension() is not None, "the C++ kernel should compile on these machines"
+
+
+def test_int4_rtn_error_is_small():
+    w = torch.randn(64, 512)
+    q, s, m = quantize_rtn(w, 4, 32)
+    err = (dequantize(q, s, m, 32, 4) - w).abs().max() / w.abs().max()
+    assert err < 0.1
+
+
+def _random_blocks(qtype, n_blocks, block_bytes, d_offsets, rng):
+    raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
+    for off in d_offsets:  # fp16 scale fields: small finite values, not random NaN/inf bit patterns
+        raw[:, off:off + 2] = np.frombuffer(
+            rng.uniform(-0.05, 0.05, n_blocks).astype(np.float16).tobytes(), dtype=np.uint8).reshape(n_blocks, 2)
+    return raw
+
+
+@pytest.mark.parametrize("qtype,block_bytes,per_block,d_offsets", [
+    ("Q4_0", 18, 32, [0]), ("Q4_1", 20, 32, [0, 2]), ("Q5_0", 22, 32, [0]), ("Q8_0", 34, 32, [0]),
+    ("Q4_K", 144, 256, [0, 2]), ("Q5_K", 176, 256, [0, 2]), ("Q6_K", 210, 256, [208]),
+])
+def test_gguf_blocks_decode_exactly(qtype, block_bytes, per_block, d_offsets):
+    """Our integer codes de-quantize to exactly what the gguf package de-quantizes (bit for bit)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    rng = np.random.default_rng(0)
+    N, K = 6, 512
+    raw = _random_blocks(qtype, N * K // per_block, block_bytes, d_offsets, rng).reshape(N, -1)
+    ref = gguf_dequantize(raw, getattr(GGMLQuantizationType, qtype)).reshape(N, K)
+    code = parse(raw, qtype, (N, K))
+    mine = dequantize(code.q, code.scale, code.minv, code.group, code.bits).numpy()
+    np.testing.assert_array_equal(mine, ref)
+
+
+def test_unsupported_format_returns_none():
+    assert parse(np.zeros((2, 8), dtype=np.uint8), "F16", (2, 4)) is None
