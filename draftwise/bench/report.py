@@ -103,6 +103,10 @@ def _f(x, fmt: str = ".2f", none: str = "–") -> str:
     return none if x is None else format(x, fmt)
 
 
+def _bytes(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -143,9 +147,9 @@ def markdown(results: dict) -> str:
     if rf:
         parts.append("## Roofline\n\n" + _table(["quantity", "value"], [
             ["memory bandwidth", f"{rf['bandwidth_gb_s']:.1f} GB/s ({rf['bandwidth']['method']})"],
-            ["target weights streamed per token", f"{rf['weight_bytes_per_token'] / 1e9:.3f} GB "
-             f"({rf['weight_elements_per_token'] / 1e9:.3f} B elements; "
-             + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in rf["bytes_by_dtype"].items()) + ")"],
+            ["target weights streamed per token", f"{_bytes(rf['weight_bytes_per_token'])} "
+             f"({rf['weight_elements_per_token'] / 1e6:,.1f} M elements; "
+             + ", ".join(f"{k} {_bytes(v)}" for k, v in rf["bytes_by_dtype"].items()) + ")"],
             ["batch-1 bound", f"{_f(rf['max_tokens_per_s'])} tok/s"],
             ["`ar` measured", f"{_f(rf['ar_tokens_per_s'])} tok/s = {_f(rf['ar_percent_of_bound'], '.0f')}% "
              "of the bound"]]) + "\n\nBytes per token count every parameter and buffer but the input "
@@ -179,54 +183,59 @@ def plot(results: dict, out: Path) -> list[Path]:
 
     ms = results["methods"]
     names = list(ms)
+    colour = {m: f"C{i % 10}" for i, m in enumerate(names)}  # one colour per method in every plot
     cats = list(next(iter(ms.values()))["by_category"]) + ["overall"]
     files = []
 
-    def get(m: str, c: str, key: str):
+    def get(m: str, c: str, key: str) -> float:
         s = ms[m] if c == "overall" else ms[m]["by_category"][c]
         return s[key] if s[key] is not None else np.nan
 
-    fig = Figure(figsize=(max(6.0, 1.2 * len(cats) * max(1, len(names)) / 3), 4.2), layout="constrained")
-    ax = fig.add_subplot()
-    others = [m for m in names if m != REFERENCE]
-    w = 0.8 / max(1, len(others))
-    x = np.arange(len(cats))
-    for i, m in enumerate(others):
-        ax.bar(x + (i - (len(others) - 1) / 2) * w, [get(m, c, "speedup_vs_ar") for c in cats], w, label=m)
-    ax.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax.set_xticks(x, cats)
-    ax.set_ylabel("speedup vs ar (mean tok/s ratio)")
-    ax.set_title(f"{results['config']['target']} ({results['config']['dtype']})")
-    if others:
-        ax.legend(fontsize="small", ncols=min(4, len(others)))
-    files.append(out / "speedup_by_category.png")
-    fig.savefig(files[-1], dpi=120)
-
-    fig = Figure(figsize=(max(7.0, 1.1 * len(names) * 2), 3.8), layout="constrained")
-    for j, (key, label) in enumerate((("mean_accepted_length", "τ (tokens per target pass)"),
-                                      ("acceptance_rate", "α (accepted / drafted)"))):
-        ax = fig.add_subplot(1, 2, j + 1)
+    def bars(ax, key: str, label: str) -> None:  # one bar per method, overall
+        x = np.arange(len(names))
         vals = [get(m, "overall", key) for m in names]
-        ax.bar(names, vals, color=[f"C{i}" for i in range(len(names))])
+        ax.bar(x, np.nan_to_num(vals), color=[colour[m] for m in names])
         for i, v in enumerate(vals):
             ax.annotate("n/a" if np.isnan(v) else f"{v:.2f}", (i, 0 if np.isnan(v) else v), ha="center",
                         va="bottom", fontsize="small")
+        ax.set_xticks(x, names, rotation=30, ha="right")
         ax.set_ylabel(label)
-        ax.tick_params(axis="x", labelrotation=30)
-    files.append(out / "tau_alpha.png")
-    fig.savefig(files[-1], dpi=120)
 
-    fig = Figure(figsize=(max(6.0, 1.0 * len(names) + 2), 3.8), layout="constrained")
+    title = f"{results['config']['target']} ({results['config']['dtype']}, γ={results['config']['gamma']})"
+    others = [m for m in names if m != REFERENCE]
+    fig = Figure(figsize=(max(6.0, 0.35 * len(cats) * max(1, len(others)) + 2.5), 4.2), layout="constrained")
     ax = fig.add_subplot()
-    ax.bar(names, [get(m, "overall", "tokens_per_s") for m in names], color=[f"C{i}" for i in range(len(names))])
+    w = 0.8 / max(1, len(others))
+    x = np.arange(len(cats))
+    for i, m in enumerate(others):
+        ax.bar(x + (i - (len(others) - 1) / 2) * w, [get(m, c, "speedup_vs_ar") for c in cats], w, label=m,
+               color=colour[m])
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(x, cats)
+    ax.set_ylabel("speedup vs ar (ratio of mean tok/s)")
+    ax.set_title(title, fontsize="medium")
+    if others:
+        fig.legend(loc="outside right upper", fontsize="small")
+    files.append(out / "speedup_by_category.png")
+    fig.savefig(files[-1], dpi=110)
+
+    fig = Figure(figsize=(max(8.0, 1.4 * len(names)), 3.8), layout="constrained")
+    bars(fig.add_subplot(1, 2, 1), "mean_accepted_length", "τ (tokens per target pass)")
+    bars(fig.add_subplot(1, 2, 2), "acceptance_rate", "α (accepted / drafted)")
+    fig.suptitle(title, fontsize="medium")
+    files.append(out / "tau_alpha.png")
+    fig.savefig(files[-1], dpi=110)
+
+    fig = Figure(figsize=(max(5.0, 0.8 * len(names) + 2), 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    bars(ax, "tokens_per_s", "tokens/s (mean per prompt)")
     bound = (results.get("roofline") or {}).get("max_tokens_per_s")
-    if bound:
+    if bound and bound < 20 * max(np.nan_to_num([get(m, "overall", "tokens_per_s") for m in names])):
         ax.axhline(bound, color="red", ls="--", lw=1, label=f"bandwidth bound {bound:.1f} tok/s")
         ax.legend(fontsize="small")
-    ax.set_ylabel("tokens/s (mean per prompt)")
-    ax.tick_params(axis="x", labelrotation=30)
+    ax.set_title(title, fontsize="medium")
     files.append(out / "tokens_per_s.png")
-    fig.savefig(files[-1], dpi=120)
+    fig.savefig(files[-1], dpi=110)
     return files
 
 
