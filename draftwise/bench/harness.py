@@ -99,15 +99,16 @@ class Runner:
 
         self.cfg = cfg
         self.params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed)
-        native = [m for m in cfg.methods if m in METHODS]
         peers = [m for m in cfg.methods if m in PEERS]
-        self.dw = SpeculativeDecoder(cfg.target, cfg.draft if "draft" in native else None, dtype=cfg.dtype,
-                                     backend=cfg.backend, progress=progress)
+        # the draft model is loaded lazily, by the first method that drafts with it (during warm-up)
+        self.dw = SpeculativeDecoder(cfg.target, cfg.draft, dtype=cfg.dtype, backend=cfg.backend, progress=progress)
         self.peers = None
         if peers:  # loaded once, only when asked for
             from ..models import parse_dtype
             from .peers import HFPeers
 
+            if progress:
+                print("draftwise bench: loading the HF peers' models with transformers ...", file=sys.stderr)
             self.peers = HFPeers(resolve(cfg.target, progress),
                                  resolve(cfg.draft, progress) if "hf-assisted" in peers and cfg.draft else None,
                                  parse_dtype(cfg.dtype), peers, cfg.gamma, self.dw.tokenizer.eos_ids)
@@ -186,22 +187,32 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
         log("measuring memory bandwidth ...")
         bw = measure_bandwidth(cfg.bandwidth_gib)
 
-    per_prompt = []
+    per_prompt: list[dict] = []
+    interrupted = False
     with _progress(progress) as bar:
         task = bar.add_task("warm-up", total=len(methods) * (len(work) + 1))
         for m in methods:  # warm-up: one short generation per method, not timed
             bar.update(task, description=f"warm-up {m}")
             runner.run(m, work[0][1], max_tokens=min(cfg.warmup_tokens, cfg.max_tokens))
             bar.advance(task)
-        for i, (p, ids) in enumerate(work):
-            order = methods[i % len(methods):] + methods[:i % len(methods)]
-            runs = {}
-            for m in order:
-                bar.update(task, description=f"{p.category}:{p.question_id} {m}")
-                runs[m] = runner.run(m, ids)
-                bar.advance(task)
-            per_prompt.append({"question_id": p.question_id, "category": p.category, "subcategory": p.subcategory,
-                               "prompt_tokens": len(ids), "order": order, "runs": {m: runs[m] for m in methods}})
+        try:
+            for i, (p, ids) in enumerate(work):
+                order = methods[i % len(methods):] + methods[:i % len(methods)]
+                runs = {}
+                for m in order:
+                    bar.update(task, description=f"{p.category}:{p.question_id} {m}")
+                    runs[m] = runner.run(m, ids)
+                    bar.advance(task)
+                per_prompt.append({"question_id": p.question_id, "category": p.category,
+                                   "subcategory": p.subcategory, "prompt_tokens": len(ids), "order": order,
+                                   "runs": {m: runs[m] for m in methods}})
+                if progress:  # one line per prompt (above the bar; the only output when stderr is a file)
+                    bar.console.print(f"{i + 1}/{len(work)} {p.category}:{p.question_id} tok/s " + " ".join(
+                        f"{m} {runs[m]['tokens_per_s']:.2f}" for m in methods), highlight=False)
+        except KeyboardInterrupt:  # a long run stopped early still reports the prompts it finished
+            if not per_prompt:
+                raise
+            interrupted = True
 
     checked = cfg.temperature == 0.0
     mismatches = report.find_mismatches(per_prompt, methods) if checked else []
@@ -212,7 +223,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
         rf["bandwidth"] = bw
     config = {**asdict(cfg), "prompts": str(path), "prompts_sha256": _sha256(path), "methods": methods,
               "categories": report.categories_of(per_prompt), "n_prompts": len(per_prompt),
-              "reference": report.REFERENCE, "outputs_checked": checked,
+              "reference": report.REFERENCE, "outputs_checked": checked, "interrupted": interrupted,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
               "versions": _versions(), "started": started,
               "timing": "wall clock per generate call on pre-tokenized ids, prefill included; warm-up excluded; "

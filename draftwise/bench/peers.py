@@ -15,6 +15,7 @@ forward is verification (the first pass is prefill), the rest of the wall time i
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,8 +79,8 @@ def load_hf_model(src, dtype: torch.dtype):
     if isinstance(src, Path) and src.is_file():
         kw = {"gguf_file": src.name, "quantization_config": GgufConfig(dequantize=True)}
         src = src.parent
-    try:
-        with _quiet():
+    try:  # transformers' GGUF de-quantization draws its own tqdm bar on stderr: hidden with the rest
+        with _quiet(), open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
             return AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype, **kw).eval()
     except OSError as e:
         raise ModelNotFoundError(f"transformers could not load {src}: {str(e).splitlines()[0]}") from None

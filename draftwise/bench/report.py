@@ -122,7 +122,8 @@ def markdown(results: dict) -> str:
              f"max_tokens={cfg['max_tokens']}, {'greedy' if not cfg['temperature'] else 'T=' + str(cfg['temperature'])}, "
              f"chat={cfg['chat']}, {cfg['n_prompts']} prompts ({', '.join(cats)}) from `{cfg['prompts']}`, "
              f"{cfg['threads']} threads, torch {cfg['versions']['torch']}, transformers "
-             f"{cfg['versions']['transformers']}. Warm-up excluded; methods interleaved per prompt."]
+             f"{cfg['versions']['transformers']}. Warm-up excluded; methods interleaved per prompt."
+             + ("\n\n**Interrupted**: only the prompts that finished are reported." if cfg.get("interrupted") else "")]
     head = ["method", "tok/s", "× ar", "median × ar"] + (["× hf-ar", "median × hf-ar"] if has_hf else []) + \
         ["α", "τ", "prefill", "draft", "verify", "other", "mismatches vs ar"]
     rows = []
