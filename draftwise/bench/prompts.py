@@ -32,7 +32,7 @@ def default_prompts_path() -> Path | None:
     repo = Path(__file__).resolve().parents[2]
     for p in (repo / DEFAULT_PROMPTS, Path.cwd() / DEFAULT_PROMPTS):
         if p.is_file():
-            return p
+            return p.resolve()
     return None
 
 
