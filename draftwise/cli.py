@@ -1,4 +1,4 @@
-"""Command line: ``draftwise generate``, ``draftwise chat`` (and the later ``bench`` / ``serve``).
+"""Command line: ``draftwise generate``, ``draftwise chat``, ``draftwise bench`` (and the later ``serve``).
 
 Every user error (unknown model, bad parameter, prompt too long, ...) is printed as one clear line on
 stderr with exit status 2 — never a traceback.
@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive session (/help inside)")
     _model_args(c)
     _sampling_args(c)
+    from .bench.harness import add_arguments as bench_args
+
+    b = sub.add_parser("bench", help="benchmark methods and HF peers on a prompt set; write results.json, "
+                                     "report.md and plots")
+    _model_args(b)
+    bench_args(b)
     return ap
 
 
@@ -140,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
             from .chat import run_chat
 
             return run_chat(args)
+        if args.command == "bench":
+            from .bench.harness import cmd_bench
+
+            _setup_threads(args)
+            return cmd_bench(args)
     except DraftwiseError as e:
         print(f"draftwise: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,302 @@
+"""``draftwise bench``: every requested method — the engine's and the HF peers' — on the same prompts,
+model files, dtype and budget, in one process; warm-up excluded; methods interleaved per prompt (and
+their order rotated) so the machine's drift hits all alike. Writes results.json, report.md and plots.
+
+Timing: wall clock around each ``generate`` call on pre-tokenized prompt ids (the same ids for every
+method), prefill included, tokenization excluded — the same measurement for the engine and the peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from ..api import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
+from ..errors import InvalidParameterError
+from . import report
+from .peers import PEERS
+from .prompts import Prompt, load_prompts
+from .roofline import measure_bandwidth, roofline
+
+
+def all_methods() -> tuple[str, ...]:
+    return (*METHODS, *PEERS)
+
+
+def parse_methods(spec: str) -> list[str]:
+    """"ar,draft,hf-ar" → ["ar", "draft", "hf-ar"]; "all" → every engine method and peer. ``ar`` (the
+    reference of every speedup and output check) is added first when missing."""
+    names = list(all_methods()) if spec.strip() == "all" else [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = [m for m in names if m not in all_methods()]
+    if unknown or not names:
+        what = f"unknown method {unknown[0]!r}" if unknown else "no methods given"
+        raise InvalidParameterError(f"{what}; choose from {', '.join(all_methods())} (or all)")
+    names = list(dict.fromkeys(names))
+    return names if report.REFERENCE in names else [report.REFERENCE, *names]
+
+
+def parse_gamma(s: str | int) -> int | str:
+    """An integer γ >= 1, or a policy name (e.g. "auto") passed through to the engine."""
+    if isinstance(s, int) or str(s).strip().lstrip("-").isdigit():
+        g = int(s)
+        if g < 1:
+            raise InvalidParameterError(f"gamma must be >= 1, got {g}")
+        return g
+    if not str(s).strip():
+        raise InvalidParameterError("empty gamma")
+    return str(s).strip()
+
+
+@dataclass
+class BenchConfig:
+    target: str = DEFAULT_TARGET
+    draft: str | None = DEFAULT_DRAFT
+    dtype: str = "bf16"
+    backend: str = "native"
+    gamma: int | str = 4
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    prompts: str | None = None  # None: Spec-Bench next to the repository
+    categories: list[str] | None = None
+    limit: int | None = None  # per category
+    max_tokens: int = 128
+    chat: bool = False
+    temperature: float = 0.0
+    seed: int | None = None
+    warmup_tokens: int = 8
+    bandwidth_gib: float = 0.5  # 0: skip the roofline measurement
+    out: str = "bench-out"
+
+
+def _versions() -> dict:
+    import transformers
+
+    from .. import __version__
+
+    return {"draftwise": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class Runner:
+    """Runs one method on one prompt and returns a record: new tokens, wall, stats, token ids, text."""
+
+    def __init__(self, cfg: BenchConfig, progress: bool):
+        from ..api import SpeculativeDecoder
+        from ..models.registry import resolve
+        from ..sampling import SamplingParams
+
+        self.cfg = cfg
+        self.params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed)
+        peers = [m for m in cfg.methods if m in PEERS]
+        # the draft model is loaded lazily, by the first method that drafts with it (during warm-up)
+        self.dw = SpeculativeDecoder(cfg.target, cfg.draft, dtype=cfg.dtype, backend=cfg.backend, progress=progress)
+        self.peers = None
+        if peers:  # loaded once, only when asked for
+            from ..models import parse_dtype
+            from .peers import HFPeers
+
+            if progress:
+                print("draftwise bench: loading the HF peers' models with transformers ...", file=sys.stderr)
+            self.peers = HFPeers(resolve(cfg.target, progress),
+                                 resolve(cfg.draft, progress) if "hf-assisted" in peers and cfg.draft else None,
+                                 parse_dtype(cfg.dtype), peers, cfg.gamma, self.dw.tokenizer.eos_ids)
+
+    def encode(self, p: Prompt) -> list[int]:
+        return self.dw.encode(p.text, chat=self.cfg.chat)
+
+    def run(self, method: str, ids: list[int], max_tokens: int | None = None) -> dict:
+        n = max_tokens or self.cfg.max_tokens
+        if method in PEERS:
+            t0 = time.perf_counter()
+            r = self.peers.generate(method, ids, n, self.cfg.temperature)
+            wall = r.wall_s or time.perf_counter() - t0
+            rec = {"new_tokens": len(r.token_ids), "drafted": r.drafted, "accepted": r.accepted,
+                   "target_passes": r.target_passes, "prefill_s": r.prefill_s, "verify_s": r.verify_s,
+                   "draft_s": max(0.0, wall - r.prefill_s - r.verify_s), "finish_reason": r.finish_reason,
+                   "token_ids": r.token_ids, "past_eos": r.past_eos}
+        else:
+            params = self.params if max_tokens is None else replace(self.params, max_tokens=n)
+            t0 = time.perf_counter()
+            try:
+                res = self.dw.generate(ids, params, method=method, gamma=self.cfg.gamma)
+            except (AttributeError, TypeError) as e:
+                if isinstance(self.cfg.gamma, str):  # a policy name this engine does not know yet
+                    raise InvalidParameterError(f"gamma {self.cfg.gamma!r} is not supported by this engine "
+                                                f"({type(e).__name__}: {e})") from None
+                raise
+            wall = time.perf_counter() - t0
+            s = res.stats
+            rec = {"new_tokens": s.new_tokens, "drafted": s.drafted, "accepted": s.accepted,
+                   "target_passes": s.target_passes, "prefill_s": s.prefill_s, "draft_s": s.draft_s,
+                   "verify_s": s.verify_s, "engine_wall_s": s.wall_s, "finish_reason": res.finish_reason,
+                   "token_ids": res.token_ids}
+        rec["wall_s"] = wall
+        rec["tokens_per_s"] = rec["new_tokens"] / wall if wall > 0 else 0.0
+        rec["acceptance_rate"] = rec["accepted"] / rec["drafted"] if rec["drafted"] else None
+        rec["mean_accepted_length"] = rec["new_tokens"] / rec["target_passes"] if rec["target_passes"] else None
+        rec["text"] = self.dw.tokenizer.decode(rec["token_ids"])
+        return rec
+
+
+def _progress(enabled: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), disable=not enabled)
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
+    """Run the benchmark described by ``cfg``; return the results (the shape of results.json)."""
+    log = log or (lambda msg: print(f"draftwise bench: {msg}", file=sys.stderr) if progress else None)
+    if cfg.max_tokens < 1:
+        raise InvalidParameterError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
+    cfg.gamma = parse_gamma(cfg.gamma)
+    methods = cfg.methods = parse_methods(",".join(cfg.methods))
+    path, prompts = load_prompts(cfg.prompts, cfg.categories, cfg.limit)  # fail before loading models
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+    log(f"loading models for {', '.join(methods)} ...")
+    runner = Runner(cfg, progress)
+    max_context = runner.dw.target.config.max_context
+    work, skipped = [], []
+    for p in prompts:
+        ids = runner.encode(p)
+        if len(ids) + cfg.max_tokens > max_context:
+            skipped.append({"question_id": p.question_id, "category": p.category,
+                            "reason": f"prompt {len(ids)} + max_tokens {cfg.max_tokens} tokens > context {max_context}"})
+        else:
+            work.append((p, ids))
+    if not work:
+        raise InvalidParameterError("no prompt fits the model's context with this --max-tokens")
+
+    bw = None
+    if cfg.bandwidth_gib > 0:
+        log("measuring memory bandwidth ...")
+        bw = measure_bandwidth(cfg.bandwidth_gib)
+
+    per_prompt: list[dict] = []
+    interrupted = False
+    with _progress(progress) as bar:
+        task = bar.add_task("warm-up", total=len(methods) * (len(work) + 1))
+        for m in methods:  # warm-up: one short generation per method, not timed
+            bar.update(task, description=f"warm-up {m}")
+            runner.run(m, work[0][1], max_tokens=min(cfg.warmup_tokens, cfg.max_tokens))
+            bar.advance(task)
+        try:
+            for i, (p, ids) in enumerate(work):
+                order = methods[i % len(methods):] + methods[:i % len(methods)]
+                runs = {}
+                for m in order:
+                    bar.update(task, description=f"{p.category}:{p.question_id} {m}")
+                    runs[m] = runner.run(m, ids)
+                    bar.advance(task)
+                per_prompt.append({"question_id": p.question_id, "category": p.category,
+                                   "subcategory": p.subcategory, "prompt_tokens": len(ids), "order": order,
+                                   "runs": {m: runs[m] for m in methods}})
+                if progress:  # one line per prompt (above the bar; the only output when stderr is a file)
+                    bar.console.print(f"{i + 1}/{len(work)} {p.category}:{p.question_id} tok/s " + " ".join(
+                        f"{m} {runs[m]['tokens_per_s']:.2f}" for m in methods), highlight=False)
+        except KeyboardInterrupt:  # a long run stopped early still reports the prompts it finished
+            if not per_prompt:
+                raise
+            interrupted = True
+
+    checked = cfg.temperature == 0.0
+    mismatches = report.find_mismatches(per_prompt, methods) if checked else []
+    agg = report.aggregate(per_prompt, methods, mismatches)
+    rf = None
+    if bw is not None:
+        rf = roofline(runner.dw.target.model, bw["gb_per_s"], agg[report.REFERENCE]["tokens_per_s"])
+        rf["bandwidth"] = bw
+    config = {**asdict(cfg), "prompts": str(path), "prompts_sha256": _sha256(path), "methods": methods,
+              "categories": report.categories_of(per_prompt), "n_prompts": len(per_prompt),
+              "reference": report.REFERENCE, "outputs_checked": checked, "interrupted": interrupted,
+              "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
+              "versions": _versions(), "started": started,
+              "timing": "wall clock per generate call on pre-tokenized ids, prefill included; warm-up excluded; "
+                        "methods interleaved per prompt, order rotated",
+              "peers": runner.peers.settings() if runner.peers else {}}
+    return {"methods": agg, "config": config, "roofline": rf, "mismatches": mismatches, "skipped": skipped,
+            "per_prompt": per_prompt}
+
+
+# ---- command line --------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Bench options (the model options --target/--draft/--dtype/--backend/--threads come from cli.py)."""
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated, from {', '.join(all_methods())}, or all (default {','.join(METHODS)}); "
+                        "ar is always run as the reference")
+    p.add_argument("--gamma", default="4", help="draft tokens per step: an integer, or a policy name (default 4)")
+    p.add_argument("--prompts", default=None, help="Spec-Bench-shaped JSONL (question_id, category, turns); "
+                                                   "default ../shared/data/spec_bench/question.jsonl")
+    p.add_argument("--categories", default=None, help="comma-separated categories (e.g. mt_bench,math_reasoning)")
+    p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs are checked)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed warm-up run per method")
+    p.add_argument("--bandwidth-gib", type=float, default=0.5,
+                   help="GiB streamed to measure memory bandwidth for the roofline (0 = skip)")
+    p.add_argument("--out", default="bench-out", help="output folder (default bench-out)")
+
+
+def config_from_args(args) -> BenchConfig:
+    return BenchConfig(target=args.target, draft=args.draft, dtype=args.dtype, backend=args.backend,
+                       gamma=parse_gamma(args.gamma), methods=parse_methods(args.methods), prompts=args.prompts,
+                       categories=[c.strip() for c in args.categories.split(",") if c.strip()]
+                       if args.categories else None,
+                       limit=args.limit, max_tokens=args.max_tokens, chat=args.chat, temperature=args.temperature,
+                       seed=args.seed, warmup_tokens=args.warmup_tokens, bandwidth_gib=args.bandwidth_gib,
+                       out=args.out)
+
+
+def cmd_bench(args) -> int:
+    from rich.console import Console
+
+    from ..sampling import SamplingParams
+
+    cfg = config_from_args(args)
+    SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens)  # validate before loading anything
+    out = Path(cfg.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidParameterError(f"cannot create --out {out}: {e.strerror}") from None
+    results = run_bench(cfg, progress=True)
+    files = report.write_outputs(results, out)
+    console = Console(stderr=True, highlight=False)
+    summary(results, console)
+    console.print(f"wrote {', '.join(str(f) for f in files)}")
+    return 0
+
+
+def summary(results: dict, console) -> None:
+    """A short table on the terminal."""
+    from rich.table import Table
+
+    t = Table("method", "tok/s", "× ar", "× hf-ar", "α", "τ", "mismatches", title="draftwise bench (overall)")
+    for m, s in results["methods"].items():
+        t.add_row(m, report._f(s["tokens_per_s"]), report._f(s["speedup_vs_ar"]), report._f(s["speedup_vs_hf_ar"]),
+                  report._f(s["acceptance_rate"]), report._f(s["mean_accepted_length"]), str(s["mismatches"]))
+    console.print(t)
+    rf = results.get("roofline")
+    if rf:
+        console.print(f"roofline: {rf['bandwidth_gb_s']:.1f} GB/s ÷ {rf['weight_bytes_per_token'] / 1e9:.3f} GB/token "
+                      f"= {report._f(rf['max_tokens_per_s'])} tok/s; ar at {report._f(rf['ar_percent_of_bound'], '.0f')}%")
+
+
+__all__ = ["BenchConfig", "add_arguments", "cmd_bench", "parse_gamma", "parse_methods", "run_bench"]

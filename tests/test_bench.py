@@ -1,0 +1,249 @@
+"""The benchmark harness: prompt parsing and filtering, aggregation, output checks, the written report
+(JSON shape, markdown, plots), the roofline's byte count, CLI errors; end to end on the tiny HF folder
+(every engine method and HF peer) and, marked slow, on SmolLM2 through the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from draftwise.api import METHODS
+from draftwise.bench import report
+from draftwise.bench.harness import BenchConfig, parse_gamma, parse_methods, run_bench
+from draftwise.bench.peers import PEERS
+from draftwise.bench.prompts import default_prompts_path, load_prompts, read_jsonl, select
+from draftwise.bench.roofline import measure_bandwidth, roofline, weight_bytes_per_token
+from draftwise.cli import main
+from draftwise.errors import InvalidParameterError
+from draftwise.models.transformer import random_model
+
+from .conftest import TINY
+
+SHAPE_KEYS = {"tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "mismatches"}
+PNGS = ("speedup_by_category.png", "tau_alpha.png", "tokens_per_s.png")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def prompts_file(tmp_path) -> Path:
+    rows = [{"question_id": 1, "category": "writing", "turns": ["hello world, the quick", "second turn"]},
+            {"question_id": 2, "category": "coding", "turns": ["def quicksort(arr): return"]},
+            {"question_id": 3, "category": "qa", "turns": ["the quick brown fox"]},
+            {"question_id": 4, "category": "qa", "turns": ["hello hello hello world"]},
+            {"question_id": 5, "category": "translation", "turns": ["the lazy dog jumps over the fox"]}]
+    return write_jsonl(tmp_path / "q.jsonl", rows)
+
+
+# ---- prompts -------------------------------------------------------------------------------------------
+def test_prompts_first_turn_tasks_and_limit(prompts_file):
+    ps = read_jsonl(prompts_file)
+    assert [p.text for p in ps][0] == "hello world, the quick"  # first turn only
+    assert [p.category for p in ps] == ["mt_bench", "mt_bench", "qa", "qa", "translation"]
+    assert ps[1].subcategory == "coding"
+    assert [p.question_id for p in select(ps, ["mt_bench", "translation"])] == [1, 2, 5]
+    assert [p.question_id for p in select(ps, ["coding"])] == [2]  # a sub-category selects too
+    assert [p.question_id for p in select(ps, limit=1)] == [1, 3, 5]  # per category (task)
+    assert [p.question_id for p in select(ps, ["qa"], limit=5)] == [3, 4]
+
+
+def test_prompt_errors(prompts_file, tmp_path):
+    ps = read_jsonl(prompts_file)
+    with pytest.raises(InvalidParameterError, match="unknown category 'nope'"):
+        select(ps, ["qa", "nope"])
+    with pytest.raises(InvalidParameterError, match="not found"):
+        load_prompts(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "turns": ["x"]}\n')
+    with pytest.raises(InvalidParameterError, match="bad.jsonl:1"):
+        read_jsonl(bad)
+    with pytest.raises(InvalidParameterError, match="--limit"):
+        select(ps, limit=0)
+
+
+def test_default_prompts_are_spec_bench():
+    path = default_prompts_path()
+    if path is None:
+        pytest.skip("no ../shared/data/spec_bench/question.jsonl here")
+    _, ps = load_prompts(None, ["mt_bench", "math_reasoning"], limit=2)
+    assert [p.category for p in ps] == ["mt_bench"] * 2 + ["math_reasoning"] * 2
+
+
+def test_parse_methods_and_gamma():
+    assert parse_methods("pld,hf-ar") == ["ar", "pld", "hf-ar"]  # ar: the reference, always run
+    assert parse_methods("all") == [*METHODS, *PEERS]
+    assert parse_methods("draft,ar,draft") == ["draft", "ar"]
+    with pytest.raises(InvalidParameterError, match="unknown method 'bogus'"):
+        parse_methods("ar,bogus")
+    assert parse_gamma("4") == 4 and parse_gamma("auto") == "auto"
+    with pytest.raises(InvalidParameterError):
+        parse_gamma("0")
+
+
+# ---- aggregation and checks on hand-made records ------------------------------------------------------
+def rec(tokens: list[int], wall: float, drafted: int = 0, accepted: int = 0, passes: int | None = None) -> dict:
+    n = len(tokens)
+    return {"token_ids": tokens, "new_tokens": n, "wall_s": wall, "tokens_per_s": n / wall, "drafted": drafted,
+            "accepted": accepted, "target_passes": n if passes is None else passes, "prefill_s": 0.1 * wall,
+            "draft_s": 0.2 * wall, "verify_s": 0.6 * wall}
+
+
+def synthetic() -> list[dict]:
+    ref = [1, 2, 3, 4]
+    return [
+        {"question_id": 1, "category": "a", "runs": {"ar": rec(ref, 2.0), "pld": rec(ref, 1.0, 4, 2, 2),
+                                                      "hf-ar": rec(ref, 4.0), "hf-pld": rec(ref, 2.0, 2, 1, 3)}},
+        {"question_id": 2, "category": "b", "runs": {"ar": rec(ref, 1.0), "pld": rec(ref, 2.0, 4, 0, 4),
+                                                      "hf-ar": rec(ref, 1.0), "hf-pld": rec(ref, 1.0, 0, 0)}},
+    ]
+
+
+def test_aggregate_means_medians_alpha_tau():
+    pp = synthetic()
+    agg = report.aggregate(pp, ["ar", "pld", "hf-ar", "hf-pld"], [])
+    ar, pld = agg["ar"], agg["pld"]
+    assert ar["tokens_per_s"] == pytest.approx((2 + 4) / 2)
+    assert pld["tokens_per_s"] == pytest.approx((4 + 2) / 2)
+    assert pld["speedup_vs_ar"] == pytest.approx(1.0)  # ratio of mean tokens/s
+    assert pld["median_speedup_vs_ar"] == pytest.approx((2.0 + 0.5) / 2)  # median of per-prompt ratios
+    assert agg["hf-ar"]["speedup_vs_ar"] == pytest.approx((1 + 4) / 2 / 3)
+    assert pld["speedup_vs_hf_ar"] == pytest.approx(3 / 2.5)
+    assert ar["acceptance_rate"] is None and ar["mean_accepted_length"] == 1.0  # nothing drafted
+    assert pld["acceptance_rate"] == pytest.approx(2 / 8)  # pooled accepted / drafted
+    assert pld["mean_accepted_length"] == pytest.approx(8 / 6)  # pooled tokens / target passes
+    assert pld["time_split"]["verify"] == pytest.approx(0.6)
+    assert pld["by_category"]["a"]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert pld["by_category"]["b"]["acceptance_rate"] == 0.0
+    assert set(pld["by_category"]) == {"a", "b"}
+
+
+def test_mismatch_detection_counts_a_wrong_result():
+    pp = synthetic()
+    methods = ["ar", "pld", "hf-ar", "hf-pld"]
+    assert report.find_mismatches(pp, methods) == []
+    pp[1]["runs"]["pld"]["token_ids"] = [1, 2, 9, 4]  # deliberately wrong
+    pp[0]["runs"]["hf-pld"]["token_ids"] = [1, 2, 3]  # stopped early: a prefix is a mismatch too
+    mm = report.find_mismatches(pp, methods)
+    assert {(m["question_id"], m["method"], m["reference"], m["first_diff"]) for m in mm} == \
+        {(2, "pld", "ar", 2), (1, "hf-pld", "ar", 3), (1, "hf-pld", "hf-ar", 3)}
+    agg = report.aggregate(pp, methods, mm)
+    assert agg["pld"]["mismatches"] == 1 and agg["pld"]["mismatch_ids"] == [2]
+    assert agg["pld"]["by_category"]["a"]["mismatches"] == 0 and agg["pld"]["by_category"]["b"]["mismatches"] == 1
+    assert agg["hf-pld"]["mismatches"] == 1 and agg["hf-pld"]["mismatches_vs_hf_ar"] == 1
+    assert agg["ar"]["mismatches"] == 0
+
+
+# ---- roofline -----------------------------------------------------------------------------------------
+class FakeInt8Linear(nn.Module):
+    """What a weight-only quantized layer looks like: int8 weights and bf16 scales in buffers."""
+
+    def __init__(self, n: int, k: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(n, k, dtype=torch.int8))
+        self.register_buffer("scales", torch.zeros(n, dtype=torch.bfloat16))
+
+
+def test_weight_bytes_count_linears_and_head_not_embedding():
+    m = random_model(TINY).to(torch.bfloat16)
+    total = sum(p.numel() for p in m.parameters())
+    got = weight_bytes_per_token(m)
+    assert got["elements"] == total - m.embed.weight.numel()
+    assert got["bytes"] == 2 * got["elements"]
+    m.lm_head.weight = m.embed.weight  # tied: the head reads it, counted once
+    assert weight_bytes_per_token(m)["elements"] == total - m.embed.weight.numel()
+    down = m.layers[0].mlp.down
+    m.layers[0].mlp.down = FakeInt8Linear(down.out_features, down.in_features)  # a quantized layer's own bytes
+    q = weight_bytes_per_token(m)
+    assert q["bytes"] == got["bytes"] - 2 * down.weight.numel() + down.weight.numel() + 2 * down.out_features
+    assert q["bytes_by_dtype"]["int8"] == down.weight.numel()
+    rf = roofline(m, 10.0, ar_tokens_per_s=1.0)
+    assert rf["max_tokens_per_s"] == pytest.approx(10e9 / q["bytes"])
+    assert rf["ar_percent_of_bound"] == pytest.approx(100 / rf["max_tokens_per_s"])
+
+
+def test_measure_bandwidth_is_positive():
+    bw = measure_bandwidth(gib=0.0625, repeats=2)
+    assert bw["bytes"] == 64 << 20 and bw["gb_per_s"] > 0
+
+
+# ---- end to end ---------------------------------------------------------------------------------------
+def check_outputs(out: Path, methods: list[str]) -> dict:
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["methods"]) == methods
+    for m, s in res["methods"].items():
+        assert SHAPE_KEYS <= set(s) and isinstance(s["mismatches"], int)
+        assert isinstance(s["tokens_per_s"], float) and isinstance(s["mean_accepted_length"], float)
+        for c, sc in s["by_category"].items():
+            assert SHAPE_KEYS <= set(sc)
+    assert res["methods"]["ar"]["acceptance_rate"] is None and res["methods"]["ar"]["speedup_vs_ar"] == 1.0
+    assert res["config"]["methods"] == methods
+    md = (out / "report.md").read_text()
+    assert "## Overall" in md and "| `ar` |" in md
+    for f in PNGS:
+        assert (out / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return res
+
+
+def test_bench_tiny_every_method_and_peer(hf_folder, prompts_file, tmp_path):
+    methods = [*METHODS, *PEERS]
+    cfg = BenchConfig(target=str(hf_folder), draft=str(hf_folder), dtype="fp32", methods=methods,
+                      prompts=str(prompts_file), limit=1, max_tokens=12, gamma="3", warmup_tokens=2,
+                      bandwidth_gib=0.0625)
+    res = run_bench(cfg, progress=False)
+    report.write_outputs(res, tmp_path / "out")
+    res = check_outputs(tmp_path / "out", methods)
+    assert [p["category"] for p in res["per_prompt"]] == ["mt_bench", "qa", "translation"]
+    assert set(res["methods"]["ar"]["by_category"]) == {"mt_bench", "qa", "translation"}
+    for m in METHODS:  # the engine is lossless: every greedy output equals ar's
+        assert res["methods"][m]["mismatches"] == 0, res["mismatches"]
+    runs = res["per_prompt"][0]["runs"]
+    assert runs["draft"]["acceptance_rate"] == 1.0  # the target drafting for itself
+    assert runs["hf-assisted"]["drafted"] > 0 and runs["hf-ar"]["drafted"] == 0
+    assert res["methods"]["hf-ar"]["mean_accepted_length"] == pytest.approx(1.0)
+    assert res["config"]["peers"]["hf-assisted"]["num_assistant_tokens"] == 3
+    rf = res["roofline"]
+    assert rf["weight_bytes_per_token"] > 0 and rf["ar_percent_of_bound"] > 0
+
+    # a deliberately wrong output is caught and reported
+    res["per_prompt"][1]["runs"]["pld"]["token_ids"][0] += 1
+    mm = report.find_mismatches(res["per_prompt"], methods)
+    res["methods"] = report.aggregate(res["per_prompt"], methods, mm)
+    res["mismatches"] = mm
+    report.write_outputs(res, tmp_path / "bad")
+    assert json.loads((tmp_path / "bad" / "results.json").read_text())["methods"]["pld"]["mismatches"] == 1
+    assert "| 3 | qa | `pld` | 0 |" in (tmp_path / "bad" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "ar,bogus"], "unknown method 'bogus'"),
+    (["--prompts", "/nonexistent/q.jsonl"], "not found"),
+    (["--categories", "nope"], "unknown category 'nope'"),
+    (["--gamma", "0"], "gamma must be >= 1"),
+])
+def test_cli_errors_are_one_line(argv, message, prompts_file, tmp_path, capsys):
+    base = ["bench", "--prompts", str(prompts_file), "--out", str(tmp_path / "o")]
+    assert main(base + argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_cli_end_to_end_smollm(tmp_path, prompts_file):
+    """The real CLI on SmolLM2-135M: engine methods and an HF peer, all outputs written."""
+    prompts = ["--categories", "mt_bench"] if default_prompts_path() else ["--prompts", str(prompts_file)]
+    out = tmp_path / "bench-out"
+    rc = main(["bench", "--target", "smollm2-135m-instruct", "--draft", "smollm2-135m-instruct", *prompts,
+               "--limit", "1", "--max-tokens", "16",
+               "--methods", "ar,pld,hf-ar", "--threads", "2", "--out", str(out)])
+    assert rc == 0
+    res = check_outputs(out, ["ar", "pld", "hf-ar"])
+    assert all(r["new_tokens"] == 16 or r["finish_reason"] == "stop"
+               for p in res["per_prompt"] for r in p["runs"].values())
+    assert res["roofline"]["max_tokens_per_s"] > 0
