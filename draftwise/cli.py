@@ -1,4 +1,5 @@
-"""Command line: ``draftwise generate``, ``draftwise chat`` (and the later ``bench`` / ``serve``).
+"""Command line: ``draftwise generate``, ``draftwise chat``, ``draftwise serve``, ``draftwise bench-serve``
+(the last two live in ``draftwise/serve/cli.py``).
 
 Every user error (unknown model, bad parameter, prompt too long, ...) is printed as one clear line on
 stderr with exit status 2 — never a traceback.
@@ -13,6 +14,7 @@ import sys
 
 from .api import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
 from .errors import DraftwiseError, InvalidParameterError
+from .serve import cli as serve_cli
 
 LEGEND = "  ([green]accepted draft[/] [bold red]corrected[/] [bold blue]bonus[/] plain)"
 COLOURS = {"plain": "", "accepted": "green", "recovered": "bold red", "bonus": "bold blue"}
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive session (/help inside)")
     _model_args(c)
     _sampling_args(c)
+    serve_cli.add_parsers(sub, _model_args, METHODS)
     return ap
 
 
@@ -138,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             from .chat import run_chat
 
             return run_chat(args)
+        if args.command in serve_cli.COMMANDS:
+            return serve_cli.main(args)
     except DraftwiseError as e:
         print(f"draftwise: error: {e}", file=sys.stderr)
         return 2
