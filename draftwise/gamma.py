@@ -9,8 +9,10 @@ much as a generated one, so speculation stops paying. This policy measures that 
     tokens(B, k) = Σ_rows E(k_i; α_i),  E(k; α) = 1 + α + … + α^k = (1 − α^(k+1)) / (1 − α)
     γ            = argmax_k tokens(B, k) / cost(B, k)
 
-where k_i is k clipped to the row's cap and remaining budget and α_i the row's acceptance rate so far,
-shrunk towards the running global rate (a new row has not drafted yet). Every ``explore_every``-th step
+where k_i is k clipped to the row's cap and remaining budget and α_i the row's per-token acceptance
+probability so far, shrunk towards the running global one (a new row has not drafted yet). α is estimated
+as accepted / tried, a draft being tried when all before it were accepted — not accepted / drafted,
+which undercounts α for k > 1 (drafts after a rejection are never tried). Every ``explore_every``-th step
 tries another k in turn so the cost of every draft length stays measured as the batch changes. Works
 with any drafter and in any Decoder (the server uses it; ``generate(gamma=AdaptiveGamma(4))`` too).
 """
@@ -58,10 +60,11 @@ class AdaptiveGamma:
         self._A = np.zeros((4, 4))  # Σ w φφᵀ
         self._b = np.zeros(4)  # Σ w φ·seconds
         self._n = 0.0  # Σ w
-        self._acc, self._drafted = prior_alpha * prior_weight, prior_weight  # decayed global α counts
+        self._acc, self._tried = prior_alpha * prior_weight, prior_weight  # decayed global α counts
+        self._rows: dict[int, list[int]] = {}  # id(seq) -> [accepted, tried] of the running rows
         self._steps = 0
         self._explore_next = 0
-        self._pending: list[tuple[Sequence, int, int]] = []  # (row, drafted, accepted) at choose()
+        self._pending: list[tuple[Sequence, int]] = []  # (row, drafted before the step)
         self.last = max_gamma
         self.predicted = 0.0
 
@@ -69,6 +72,7 @@ class AdaptiveGamma:
     def choose(self, seqs: list[Sequence]) -> int:
         self._steps += 1
         B = len(seqs)
+        self._rows = {id(s): self._rows.get(id(s), [0, 0]) for s in seqs}
         alphas = [self._row_alpha(s) for s in seqs]
         limits = [self._row_limit(s) for s in seqs]
         rates = [self._rate(B, k, alphas, limits) for k in range(self.max_gamma + 1)]
@@ -80,18 +84,23 @@ class AdaptiveGamma:
             self._explore_next += 1
         self.predicted = rates[k]
         self.last = max((min(k, lim) for lim in limits), default=0)
-        self._pending = [(s, s.stats.drafted, s.stats.accepted) for s in seqs]
+        self._pending = [(s, s.stats.drafted) for s in seqs]
         return k
 
     def observe(self, k: int, accepted: list[int], step_s: float) -> None:
         B = len(accepted)
-        d_acc = d_dr = 0
-        for s, dr0, acc0 in self._pending:
-            d_dr += s.stats.drafted - dr0
-            d_acc += s.stats.accepted - acc0
+        d_acc = d_tried = 0
+        for (s, dr0), a in zip(self._pending, accepted):
+            drafted = s.stats.drafted - dr0
+            tried = a + (a < drafted)  # drafts up to the first rejection were tried
+            row = self._rows.setdefault(id(s), [0, 0])
+            row[0] += a
+            row[1] += tried
+            d_acc += a
+            d_tried += tried
         self._pending = []
         self._acc = self.decay * self._acc + d_acc
-        self._drafted = self.decay * self._drafted + d_dr
+        self._tried = self.decay * self._tried + d_tried
         phi = self._features(B, self.last)  # the draft length the step really had
         self._A = self.decay * self._A + np.outer(phi, phi)
         self._b = self.decay * self._b + phi * step_s
@@ -100,8 +109,8 @@ class AdaptiveGamma:
     # ---- model -----------------------------------------------------------------------------------
     @property
     def acceptance_rate(self) -> float:
-        """The decayed acceptance rate over recent steps (prior-weighted at the start)."""
-        return self._acc / self._drafted if self._drafted > 0 else 0.0
+        """Per-token acceptance probability α over recent steps (prior-weighted at the start)."""
+        return self._acc / self._tried if self._tried > 0 else 0.0
 
     def cost(self, B: int, k: int) -> float:
         """Predicted seconds of a step with B rows drafting k tokens each (0 before any observation)."""
@@ -120,7 +129,8 @@ class AdaptiveGamma:
         return tokens / self.cost(B, max((min(k, lim) for lim in limits), default=0))
 
     def _row_alpha(self, s: Sequence) -> float:
-        return (s.stats.accepted + self.prior_weight * self.acceptance_rate) / (s.stats.drafted + self.prior_weight)
+        acc, tried = self._rows[id(s)]
+        return (acc + self.prior_weight * self.acceptance_rate) / (tried + self.prior_weight)
 
     def _row_limit(self, s: Sequence) -> int:
         lim = min(self.max_gamma, s.remaining - 1)

@@ -185,6 +185,8 @@ class Engine:
                 f"--kv-cache-mb {cfg.kv_cache_mb:g} holds no sequence of --max-model-len {self.max_model_len} "
                 f"({self.row_bytes / 2**20:.1f} MiB each); raise --kv-cache-mb or lower --max-model-len")
         self.rows = min(cfg.max_batch, fit)
+        if dw.backend == "hf":  # the HF adapter's cache holds one sequence
+            self.rows = 1
         self.policy = self._make_policy()
         self.metrics = EngineMetrics(self)
         self.decoder = self._make_decoder()
