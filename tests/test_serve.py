@@ -181,6 +181,36 @@ def test_concurrent_requests_never_mix(tiny_dw):
         engine.stop()
 
 
+def test_drafter_kept_in_step_while_no_row_drafts(tiny_dw):
+    """Rows that draft nothing (plain-decoding requests) still let the draft model catch up now and then,
+    so a speculating row joining later finds a short catch-up; every output stays exact."""
+    from draftwise.serve.engine import DRAFTER_SYNC_STEPS
+
+    engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, gamma_policy="fixed", max_model_len=120,
+                                          max_batch=3))
+    p = SamplingParams(max_tokens=90, ignore_eos=True)
+    plain = [engine.new_sequence([7 + i, 8, 9], p, method="ar") for i in range(2)]
+    engine.start()
+    try:
+        sinks = [queue.Queue() for _ in range(3)]
+        for i, seq in enumerate(plain):
+            engine.submit(f"ar{i}", [seq], sinks[i].put)
+        while plain[0].num_output < 50:
+            time.sleep(0.002)
+        lag = len(plain[0].tokens) - plain[0].drafter_state
+        assert 0 <= lag <= DRAFTER_SYNC_STEPS + 2
+        late = engine.new_sequence([11, 12], SamplingParams(max_tokens=30, ignore_eos=True))
+        engine.submit("late", [late], sinks[2].put)
+        for q in sinks:
+            while q.get(timeout=60).finish_reason is None:
+                pass
+        for seq in plain + [late]:
+            assert seq.output_ids == reference(tiny_dw, seq.prompt_ids, seq.params.max_tokens)
+        assert late.stats.drafted > 0 and all(s.stats.drafted == 0 for s in plain)
+    finally:
+        engine.stop()
+
+
 def test_queue_bound_refuses(tiny_dw):
     engine = Engine(tiny_dw, EngineConfig(method="ar", max_model_len=64, max_batch=2, max_queue=1))
     p = SamplingParams(max_tokens=4)
@@ -357,3 +387,56 @@ def test_metrics_names(tiny_server):
                  "draftwise_batch_size", "draftwise_acceptance_rate", "draftwise_mean_accepted_length",
                  "draftwise_tokens_per_second", "draftwise_gamma", "draftwise_steps_total"):
         assert name in text, name
+
+
+# ---- the command line -----------------------------------------------------------------------------
+def test_cli_errors_are_one_line(capsys, hf_folder):
+    from draftwise.cli import main
+
+    assert main(["serve", "--max-queue", "-1"]) == 2
+    assert "max-queue" in capsys.readouterr().err
+    assert main(["serve", "--target", str(hf_folder), "--method", "ar", "--kv-cache-mb", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert "kv-cache-mb" in err and "Traceback" not in err
+    assert main(["bench-serve", "--target", str(hf_folder), "--method", "ar", "--modes", "fast"]) == 2
+
+
+def test_cli_serve_process(hf_folder):
+    """``draftwise serve`` as a real process: binds 127.0.0.1, wants the API key, stops cleanly on Ctrl-C."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-m", "draftwise.cli", "serve", "--target", str(hf_folder),
+                             "--method", "pld", "--port", str(port), "--max-model-len", "128", "--threads", "1",
+                             "--api-key", "k", "--log-level", "warning"],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.2)
+        body = {"model": str(hf_folder), "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert r.json()["draftwise"]["method"] == "pld"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err

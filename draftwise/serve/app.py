@@ -27,11 +27,12 @@ from typing import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DraftwiseError, PromptTooLongError
 from ..sampling import SamplingParams
-from .engine import Engine, EngineFailure, EngineFullError, EngineStoppedError, Output, ServeSequence
+from .engine import Engine, EngineFailure, EngineFullError, EngineStoppedError, ServeSequence
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -107,31 +108,34 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(body: CompletionRequest, request: Request):
-        _check_common(body)
-        prompts = []
-        for p in body.prompts():
-            ids = _check_ids(p, engine) if isinstance(p, list) else engine.tokenizer.encode(p)
-            prompts.append(ids)
+        texts = body.prompts()
+        _check_common(body, len(texts))
+        prompts = [_check_ids(p, engine) if isinstance(p, list)
+                   else await run_in_threadpool(engine.tokenizer.encode, p) for p in texts]
         return await _generate(request, body, prompts, "completion")
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_common(body)
+        _check_common(body, 1)
         try:
             messages = [m.as_template_message() for m in body.messages]
-            ids = engine.tokenizer.apply_chat(messages)
+            ids = await run_in_threadpool(engine.tokenizer.apply_chat, messages)
         except DraftwiseError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # the model's template refused the conversation (jinja2 TemplateError, ...)
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         return await _generate(request, body, [ids], "chat")
 
-    def _check_common(body) -> None:
+    def _check_common(body, num_prompts: int) -> None:
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
         for param, message in body.unsupported():
             raise APIError(400, message, param=param)
+        total, most = num_prompts * body.n, engine.rows + engine.cfg.max_queue
+        if total > most:
+            raise APIError(400, f"{num_prompts} prompt(s) × n={body.n} = {total} choices; this server holds at "
+                                f"most {most} at once", param="n")
 
     # ---- generation ------------------------------------------------------------------------------
     async def _generate(request: Request, body, prompts: list[list[int]], kind: str):
@@ -154,10 +158,6 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return await _collect(request, rid, head, seqs, events, chat, prompt_tokens)
 
     def _sequences(body, prompts: list[list[int]], chat: bool) -> list[ServeSequence]:
-        total = len(prompts) * body.n
-        if total > engine.rows + engine.cfg.max_queue:
-            raise APIError(400, f"n × prompts = {total} choices; this server holds at most "
-                                f"{engine.rows + engine.cfg.max_queue} at once", param="n")
         opts = body.draftwise
         seqs = []
         for p_i, ids in enumerate(prompts):

@@ -115,7 +115,7 @@ def run_mode(dw, cfg, mode: str, model: str, levels: list[int], requests: int | 
         cfg = with_overrides(cfg, method="ar")
     else:
         cfg = with_overrides(cfg, gamma_policy=mode)
-    cfg = with_overrides(cfg, max_batch=max(cfg.max_batch, max(levels)), max_queue=max(cfg.max_queue, 4 * max(levels)))
+    cfg = with_overrides(cfg, max_queue=max(cfg.max_queue, max(levels)))  # never a 503 in the benchmark
     engine = Engine(dw, cfg)
     results = []
     with BackgroundServer(engine, model) as srv:
@@ -126,21 +126,26 @@ def run_mode(dw, cfg, mode: str, model: str, levels: list[int], requests: int | 
             wall, stats = asyncio.run(_level(srv.base_url, model, c, n, max_tokens))
             after = _gamma_steps(httpx.get(srv.base_url + "/metrics").text)
             steps = {g: after.get(g, 0) - before.get(g, 0) for g in after}
-            total_steps = sum(steps.values()) or 1
-            tokens = sum(s[2] for s in stats)
-            drafted = sum(s[3].get("drafted", 0) for s in stats)
-            accepted = sum(s[3].get("accepted", 0) for s in stats)
-            taus = [s[3].get("mean_accepted_length", 0.0) for s in stats]
-            r = LevelResult(
-                mode=f"{cfg.method}" if mode == "ar" else f"{cfg.method} γ {mode}", concurrency=c, requests=n,
-                seconds=round(wall, 3), requests_per_s=round(n / wall, 3), tokens_per_s=round(tokens / wall, 2),
-                mean_latency_s=round(sum(s[0] for s in stats) / n, 3), mean_ttft_s=round(sum(s[1] for s in stats) / n, 3),
-                acceptance_rate=round(accepted / drafted, 3) if drafted else 0.0,
-                mean_accepted_length=round(sum(taus) / len(taus), 3),
-                gamma_share={g: round(v / total_steps, 3) for g, v in sorted(steps.items(), key=lambda x: int(x[0])) if v})
+            label = cfg.method if mode == "ar" else f"{cfg.method} γ {mode}"
+            r = _summarise(label, c, wall, stats, steps)
             log(_row(r))
             results.append(r)
     return results
+
+
+def _summarise(label: str, concurrency: int, wall: float, stats: list, steps: dict[str, float]) -> LevelResult:
+    n = len(stats)
+    tokens = sum(s[2] for s in stats)
+    drafted = sum(s[3].get("drafted", 0) for s in stats)
+    accepted = sum(s[3].get("accepted", 0) for s in stats)
+    total_steps = sum(steps.values()) or 1
+    return LevelResult(
+        mode=label, concurrency=concurrency, requests=n, seconds=round(wall, 3),
+        requests_per_s=round(n / wall, 3), tokens_per_s=round(tokens / wall, 2),
+        mean_latency_s=round(sum(s[0] for s in stats) / n, 3), mean_ttft_s=round(sum(s[1] for s in stats) / n, 3),
+        acceptance_rate=round(accepted / drafted, 3) if drafted else 0.0,
+        mean_accepted_length=round(sum(s[3].get("mean_accepted_length", 0.0) for s in stats) / n, 3),
+        gamma_share={g: round(v / total_steps, 3) for g, v in sorted(steps.items(), key=lambda x: int(x[0])) if v})
 
 
 HEADER = (f"{'mode':<22} {'conc':>4} {'reqs':>4} {'req/s':>7} {'tok/s':>8} {'latency':>8} {'ttft':>6} "

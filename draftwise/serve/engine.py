@@ -45,6 +45,9 @@ from .metrics import EngineMetrics
 log = logging.getLogger("draftwise.serve")
 
 DTYPE_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+# a batch whose rows all draft nothing still lets the drafter see its new tokens every this many steps,
+# so the drafter's catch-up pass when drafting resumes stays short (a few tokens, a small logits tensor)
+DRAFTER_SYNC_STEPS = 16
 
 
 class EngineFullError(DraftwiseError):
@@ -102,12 +105,21 @@ class EngineRequest:
 class CappedDrafter:
     """Wraps the server's drafter: each row drafts at most its sequence's ``gamma_cap`` tokens (a request
     that chose plain decoding or a smaller γ). Rows capped to 0 still share the drafter's batch state, so
-    they can sit in the same batch as speculating rows. Records the draft lengths of the latest step."""
+    they can sit in the same batch as speculating rows. Records the draft lengths of the latest step.
+
+    When every row is capped to 0, the drafter is still asked for one token per row every
+    ``DRAFTER_SYNC_STEPS`` steps, and its proposals are dropped — to the drafter they were rejected
+    (the decode loop's ``accept`` reports 0 accepted) — so a draft model's cache never lags far behind.
+    While the adaptive policy has turned speculation off (the decode loop does not call the drafter), it
+    tries another γ every ``DRAFTER_SYNC_STEPS`` steps, which keeps the drafter in step the same way.
+    """
 
     def __init__(self, inner: Drafter):
         self.inner = inner
         self.name = inner.name
         self.last_ks: list[int] = []
+        self.step = 0  # the engine's step counter
+        self._synced = 0
 
     def start(self, seq: Sequence) -> None:
         self.inner.start(seq)
@@ -115,9 +127,13 @@ class CappedDrafter:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         ks = [k if s.gamma_cap is None else min(k, s.gamma_cap) for s, k in zip(seqs, ks)]
         self.last_ks = ks
-        if max(ks, default=0) == 0:
-            return [Draft([]) for _ in seqs]
-        return self.inner.propose(seqs, ks)
+        if max(ks, default=0) > 0:
+            self._synced = self.step
+            return self.inner.propose(seqs, ks)
+        if self.step - self._synced >= DRAFTER_SYNC_STEPS:
+            self._synced = self.step
+            self.inner.propose(seqs, [1] * len(seqs))
+        return [Draft([]) for _ in seqs]
 
     def accept(self, seq, n_before, num_accepted, target_logits) -> None:
         self.inner.accept(seq, n_before, num_accepted, target_logits)
@@ -202,7 +218,7 @@ class Engine:
     def _make_policy(self) -> GammaPolicy:
         if self.cfg.gamma_policy == "fixed":
             return FixedGamma(self.cfg.gamma)
-        return AdaptiveGamma(self.cfg.gamma, cap=lambda s: s.gamma_cap)
+        return AdaptiveGamma(self.cfg.gamma, explore_every=DRAFTER_SYNC_STEPS, cap=lambda s: s.gamma_cap)
 
     def _make_decoder(self) -> Decoder:
         drafter = self.dw.make_drafter(self.method, self.rows, self.capacity, **self.cfg.drafter_options)
@@ -315,7 +331,7 @@ class Engine:
                 except Exception as e:  # a bug must not take the server down: fail what is running
                     log.error("engine step failed:\n%s", traceback.format_exc())
                     self._fail_all(f"internal error in the decode loop: {type(e).__name__}: {e}")
-        self._fail_all("the server is shutting down")
+        self._fail_all("the server is shutting down", rebuild=False)
 
     def _drop(self, cancelled: set[str]) -> None:
         if not cancelled:
@@ -354,7 +370,7 @@ class Engine:
         if not running:
             return
         if self.drafter is not None:
-            self.drafter.last_ks = []
+            self.drafter.last_ks, self.drafter.step = [], self.steps
         before = [(s.num_output, s.stats.drafted, s.stats.accepted) for s in running]
         t0 = time.perf_counter()
         self.decoder.step()
@@ -411,7 +427,7 @@ class Engine:
         self.metrics.failed.inc()
         self._deliver(req, EngineFailure(req.request_id, message))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, rebuild: bool = True) -> None:
         with self._lock:
             reqs = list(self._requests.values())
         for req in reqs:
@@ -419,7 +435,8 @@ class Engine:
                 self._fail_request(req, message)
             except Exception:  # the decoder itself may be broken: rebuild it below
                 pass
-        self.decoder = self._make_decoder()
+        if rebuild:
+            self.decoder = self._make_decoder()
 
     @staticmethod
     def _deliver(req: EngineRequest, event: object) -> None:
