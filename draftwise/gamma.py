@@ -11,9 +11,12 @@ much as a generated one, so speculation stops paying. This policy measures that 
 
 where k_i is k clipped to the row's cap and remaining budget and α_i the row's per-token acceptance
 probability so far, shrunk towards the running global one (a new row has not drafted yet). α is estimated
-as accepted / tried, a draft being tried when all before it were accepted — not accepted / drafted,
-which undercounts α for k > 1 (drafts after a rejection are never tried). Every ``explore_every``-th step
-tries another k in turn so the cost of every draft length stays measured as the batch changes. Works
+as accepted / tried, a draft position being tried when all before it were accepted — not accepted /
+drafted, which undercounts α for k > 1 (drafts after a rejection are never tried). A position the
+drafter left empty (prompt lookup found no match) counts as a failed try, so α also prices in how often
+a drafter has nothing to propose. Every ``explore_every``-th step
+tries a neighbour of the best k (alternately above and below) so the cost slope stays measured as the
+batch changes. Works
 with any drafter and in any Decoder (the server uses it; ``generate(gamma=AdaptiveGamma(4))`` too).
 """
 
@@ -44,7 +47,7 @@ class AdaptiveGamma:
     (after caps), ``predicted`` the tokens/s it expected.
     """
 
-    def __init__(self, max_gamma: int = 4, *, explore_every: int = 16, decay: float = 0.98,
+    def __init__(self, max_gamma: int = 4, *, explore_every: int = 16, decay: float = 0.99,
                  prior_alpha: float = 0.6, prior_weight: float = 8.0,
                  cap: Callable[[Sequence], int | None] | None = None):
         if not isinstance(max_gamma, int) or max_gamma < 1:
@@ -64,7 +67,7 @@ class AdaptiveGamma:
         self._rows: dict[int, list[int]] = {}  # id(seq) -> [accepted, tried] of the running rows
         self._steps = 0
         self._explore_next = 0
-        self._pending: list[tuple[Sequence, int]] = []  # (row, drafted before the step)
+        self._pending: list[tuple[Sequence, int]] = []  # (row, drafts asked of it) of the current step
         self.last = max_gamma
         self.predicted = 0.0
 
@@ -78,21 +81,21 @@ class AdaptiveGamma:
         rates = [self._rate(B, k, alphas, limits) for k in range(self.max_gamma + 1)]
         best = int(np.argmax(rates))
         k = best
-        if self.explore_every and self._steps % self.explore_every == 0 and self.max_gamma > 0:
-            others = [j for j in range(self.max_gamma + 1) if j != best]
-            k = others[self._explore_next % len(others)]
+        if self.explore_every and self._steps % self.explore_every == 0:
+            # a neighbour of the best: measures the cost slope in k where it matters, at a small price
+            near = [j for j in (best + 1, best - 1) if 0 <= j <= self.max_gamma]
+            k = near[self._explore_next % len(near)]
             self._explore_next += 1
         self.predicted = rates[k]
         self.last = max((min(k, lim) for lim in limits), default=0)
-        self._pending = [(s, s.stats.drafted) for s in seqs]
+        self._pending = [(s, min(k, lim)) for s, lim in zip(seqs, limits)]
         return k
 
     def observe(self, k: int, accepted: list[int], step_s: float) -> None:
         B = len(accepted)
         d_acc = d_tried = 0
-        for (s, dr0), a in zip(self._pending, accepted):
-            drafted = s.stats.drafted - dr0
-            tried = a + (a < drafted)  # drafts up to the first rejection were tried
+        for (s, asked), a in zip(self._pending, accepted):
+            tried = a + (a < asked)  # positions up to the first rejection (or missing draft) were tried
             row = self._rows.setdefault(id(s), [0, 0])
             row[0] += a
             row[1] += tried
