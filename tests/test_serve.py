@@ -345,9 +345,9 @@ def test_malformed_json_wrong_key_unknown_route(tiny_server):
 
 
 def test_full_server_answers_503_and_disconnects_free_slots(tiny_dw):
-    """2 rows + 2 queue slots: 4 streams fill the server, a fifth is refused with 503 (the engine thread is
-    held back so nothing finishes meanwhile); the four clients then disconnect and, once the engine runs,
-    their rows and queue slots are free and the server serves again."""
+    """2 rows + 2 queue slots: 3 streams and a plain request fill the server, a fifth is refused with 503
+    (the engine thread is held back so nothing finishes meanwhile); the four clients then go away (the
+    plain one by timing out) and, once the engine runs, their rows and queue slots are free again."""
     engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, max_model_len=200, max_batch=2, max_queue=2))
     engine.start = lambda: engine  # hold the engine thread back: requests stay queued
 
@@ -355,13 +355,18 @@ def test_full_server_answers_503_and_disconnects_free_slots(tiny_dw):
         body = chat_body(max_tokens=50, stream=True, temperature=0)
         async with httpx.AsyncClient(base_url=base_url, headers=AUTH, timeout=60) as client:
             streams = []
-            for _ in range(4):
+            for _ in range(3):
                 cm = client.stream("POST", "/v1/chat/completions", json=body)
                 r = await cm.__aenter__()
                 assert r.status_code == 200
                 streams.append(cm)
+            plain = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(), timeout=1.5))
+            while engine.snapshot()["waiting"] < 4:
+                await asyncio.sleep(0.01)
             refused = await client.post("/v1/chat/completions", json=chat_body())
-            for cm in streams:  # every client goes away
+            with pytest.raises(httpx.ReadTimeout):
+                await plain
+            for cm in streams:  # the streaming clients go away too
                 await cm.__aexit__(None, None, None)
             return refused
 
@@ -369,8 +374,10 @@ def test_full_server_answers_503_and_disconnects_free_slots(tiny_dw):
         refused = asyncio.run(scenario(srv.base_url))
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_overloaded"
         assert refused.headers.get("retry-after") == "1"
+        deadline = time.monotonic() + 10
+        while len(engine._cancelled) < 4 and time.monotonic() < deadline:  # noticed by the HTTP side
+            time.sleep(0.02)
         Engine.start(engine)
-        deadline = time.monotonic() + 20
         while engine.snapshot()["requests"] and time.monotonic() < deadline:
             time.sleep(0.02)
         snap = engine.snapshot()
