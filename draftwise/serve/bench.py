@@ -1,10 +1,10 @@
 """``draftwise bench-serve``: load-test the HTTP server in-process.
 
 For each mode (``ar``: no speculation; ``fixed``: γ = --gamma every step; ``adaptive``: the adaptive γ
-policy) an engine + server is started on a free loopback port (the models are loaded once and shared),
-warmed up with one request, then for each concurrency level C, ``--requests`` streaming chat requests
-(greedy, ``ignore_eos`` so every request produces exactly ``--max-tokens`` tokens) are sent by C
-concurrent clients. Reported: requests/s, output tokens/s, mean latency and time to first token, α, τ
+policy) an engine + server is started on a free loopback port (the models are loaded once and shared)
+and warmed up with one request; then for each concurrency level C and each mode, ``--requests`` streaming
+chat requests (greedy, ``ignore_eos`` so every request produces exactly ``--max-tokens`` tokens) are sent
+by C concurrent clients. Reported: requests/s, output tokens/s, mean latency and time to first token, α, τ
 and the share of steps at each γ (from /metrics).
 """
 
@@ -107,30 +107,37 @@ def _gamma_steps(metrics_text: str) -> dict[str, float]:
     return out
 
 
-def run_mode(dw, cfg, mode: str, model: str, levels: list[int], requests: int | None, max_tokens: int,
-             log=print) -> list[LevelResult]:
+def mode_config(cfg, mode: str, levels: list[int]):
+    cfg = with_overrides(cfg, method="ar") if mode == "ar" else with_overrides(cfg, gamma_policy=mode)
+    return with_overrides(cfg, max_queue=max(cfg.max_queue, max(levels)))  # never a 503 in the benchmark
+
+
+def run(dw, cfg, modes: list[str], model: str, levels: list[int], requests: int | None, max_tokens: int,
+        log=print) -> list[LevelResult]:
+    """All modes' servers are up at once (idle engines cost nothing) and each concurrency level runs every
+    mode back to back, so a change in machine load between modes distorts the comparison less."""
     import httpx
 
-    if mode == "ar":
-        cfg = with_overrides(cfg, method="ar")
-    else:
-        cfg = with_overrides(cfg, gamma_policy=mode)
-    cfg = with_overrides(cfg, max_queue=max(cfg.max_queue, max(levels)))  # never a 503 in the benchmark
-    engine = Engine(dw, cfg)
-    results = []
-    with BackgroundServer(engine, model) as srv:
-        asyncio.run(_level(srv.base_url, model, 1, 1, max_tokens))  # warm-up, not timed
+    servers = {}
+    try:
+        for mode in modes:
+            servers[mode] = BackgroundServer(Engine(dw, mode_config(cfg, mode, levels)), model).start()
+            asyncio.run(_level(servers[mode].base_url, model, 1, 1, max_tokens))  # warm-up, not timed
+        results = []
         for c in levels:
             n = requests or max(4, 2 * c)
-            before = _gamma_steps(httpx.get(srv.base_url + "/metrics").text)
-            wall, stats = asyncio.run(_level(srv.base_url, model, c, n, max_tokens))
-            after = _gamma_steps(httpx.get(srv.base_url + "/metrics").text)
-            steps = {g: after.get(g, 0) - before.get(g, 0) for g in after}
-            label = cfg.method if mode == "ar" else f"{cfg.method} γ {mode}"
-            r = _summarise(label, c, wall, stats, steps)
-            log(_row(r))
-            results.append(r)
-    return results
+            for mode, srv in servers.items():
+                before = _gamma_steps(httpx.get(srv.base_url + "/metrics").text)
+                wall, stats = asyncio.run(_level(srv.base_url, model, c, n, max_tokens))
+                after = _gamma_steps(httpx.get(srv.base_url + "/metrics").text)
+                steps = {g: after.get(g, 0) - before.get(g, 0) for g in after}
+                label = "ar" if mode == "ar" else f"{cfg.method} γ {mode}"
+                results.append(_summarise(label, c, wall, stats, steps))
+                log(_row(results[-1]))
+        return results
+    finally:
+        for srv in servers.values():
+            srv.stop()
 
 
 def _summarise(label: str, concurrency: int, wall: float, stats: list, steps: dict[str, float]) -> LevelResult:
@@ -176,9 +183,7 @@ def cmd_bench_serve(args) -> int:
           + f", method {cfg.method}, γ ≤ {cfg.gamma}, max_tokens {args.max_tokens}, "
           f"concurrency {','.join(map(str, args.concurrency))}", file=sys.stderr)
     print(HEADER)
-    results = []
-    for mode in modes:
-        results += run_mode(dw, cfg, mode, model, args.concurrency, args.requests, args.max_tokens)
+    results = run(dw, cfg, modes, model, args.concurrency, args.requests, args.max_tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
