@@ -1,4 +1,5 @@
-"""Command line: ``draftwise generate``, ``draftwise chat``, ``draftwise bench`` (and the later ``serve``).
+"""Command line: ``draftwise generate``, ``draftwise chat``, ``draftwise bench`` (bench/harness.py),
+``draftwise serve`` and ``draftwise bench-serve`` (serve/cli.py).
 
 Every user error (unknown model, bad parameter, prompt too long, ...) is printed as one clear line on
 stderr with exit status 2 — never a traceback.
@@ -13,6 +14,7 @@ import sys
 
 from .api import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
 from .errors import DraftwiseError, InvalidParameterError
+from .serve import cli as serve_cli
 
 LEGEND = "  ([green]accepted draft[/] [bold red]corrected[/] [bold blue]bonus[/] plain)"
 COLOURS = {"plain": "", "accepted": "green", "recovered": "bold red", "bonus": "bold blue"}
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "report.md and plots")
     _model_args(b)
     bench_args(b)
+    serve_cli.add_parsers(sub, _model_args, METHODS)
     return ap
 
 
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
             _setup_threads(args)
             return cmd_bench(args)
+        if args.command in serve_cli.COMMANDS:
+            return serve_cli.main(args)
     except DraftwiseError as e:
         print(f"draftwise: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,320 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over an ``Engine``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus). With an API key, the ``/v1`` routes want
+``Authorization: Bearer KEY``; /health and /metrics stay open (they reveal no text).
+
+Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status; a request never
+takes the server down. A client that disconnects (streaming or not) is cancelled in the engine, which
+frees its rows before the next step.
+
+Responses carry an extension object: ``"draftwise": {"method", "acceptance_rate" (α),
+"mean_accepted_length" (τ, bonus token included), "drafted", "accepted"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import logging
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import DraftwiseError, PromptTooLongError
+from ..sampling import SamplingParams
+from .engine import Engine, EngineFailure, EngineFullError, EngineStoppedError, ServeSequence
+from .metrics import CONTENT_TYPE_LATEST
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("draftwise.serve")
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client is still there
+_TYPE_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\]|[a-z-]+\[.*\])")
+
+
+def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine thread and stops it at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+    app = FastAPI(title="draftwise", version="0.1.0", lifespan=lifespan)
+    created = int(time.time())
+
+    # ---- errors ----------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return _error_response(validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return _error_response(APIError(e.status_code, str(e.detail), kind))
+
+    @app.exception_handler(DraftwiseError)
+    async def _draftwise_error(request: Request, e: DraftwiseError):
+        return _error_response(APIError(400, str(e)))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        log.exception("unhandled error")
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+    # ---- auth ------------------------------------------------------------------------------------
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+
+    # ---- routes ----------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        snap = engine.snapshot()
+        if not snap["alive"]:
+            return JSONResponse({"status": "error", **snap}, status_code=503)
+        return {"status": "ok", "model": model_name, "method": engine.method, **snap}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "draftwise",
+            "max_model_len": engine.max_model_len,
+            "draftwise": {"methods": list(engine.served_methods), "max_gamma": engine.cfg.gamma}}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(body: CompletionRequest, request: Request):
+        texts = body.prompts()
+        _check_common(body, len(texts))
+        prompts = [_check_ids(p, engine) if isinstance(p, list)
+                   else await run_in_threadpool(engine.tokenizer.encode, p) for p in texts]
+        return await _generate(request, body, prompts, "completion")
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_common(body, 1)
+        try:
+            messages = [m.as_template_message() for m in body.messages]
+            ids = await run_in_threadpool(engine.tokenizer.apply_chat, messages)
+        except DraftwiseError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # the model's template refused the conversation (jinja2 TemplateError, ...)
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+        return await _generate(request, body, [ids], "chat")
+
+    def _check_common(body, num_prompts: int) -> None:
+        if body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        for param, message in body.unsupported():
+            raise APIError(400, message, param=param)
+        total, most = num_prompts * body.n, engine.rows + engine.cfg.max_queue
+        if total > most:
+            raise APIError(400, f"{num_prompts} prompt(s) × n={body.n} = {total} choices; this server holds at "
+                                f"most {most} at once", param="n")
+
+    # ---- generation ------------------------------------------------------------------------------
+    async def _generate(request: Request, body, prompts: list[list[int]], kind: str):
+        chat = kind == "chat"
+        seqs = _sequences(body, prompts, chat)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            engine.submit(rid, seqs, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        except EngineFullError as e:
+            raise APIError(503, str(e), "server_error", code="server_overloaded") from None
+        except EngineStoppedError as e:
+            raise APIError(503, str(e), "server_error", code="shutting_down") from None
+        head = {"id": rid, "created": int(time.time()), "model": model_name}
+        prompt_tokens = sum(len(p) for p in prompts)
+        if body.stream:
+            return StreamingResponse(_stream(rid, head, seqs, events, chat, prompt_tokens, body.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _collect(request, rid, head, seqs, events, chat, prompt_tokens)
+
+    def _sequences(body, prompts: list[list[int]], chat: bool) -> list[ServeSequence]:
+        opts = body.draftwise
+        seqs = []
+        for p_i, ids in enumerate(prompts):
+            if not ids:
+                raise APIError(400, "empty prompt: give at least one token", param="messages" if chat else "prompt")
+            room = engine.max_model_len - len(ids)
+            if room < 1:
+                raise APIError(400, f"the prompt is {len(ids)} tokens; this server's context is "
+                                    f"{engine.max_model_len} tokens (--max-model-len)",
+                               param="messages" if chat else "prompt", code="context_length_exceeded")
+            max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+            if max_tokens is None:
+                max_tokens = room
+            elif max_tokens > room:
+                raise APIError(400, f"max_tokens ({max_tokens}) + prompt ({len(ids)} tokens) exceeds the context "
+                                    f"of {engine.max_model_len} tokens; max_tokens can be at most {room}",
+                               param="max_tokens", code="context_length_exceeded")
+            for j in range(body.n):
+                try:
+                    params = SamplingParams(
+                        temperature=1.0 if body.temperature is None else body.temperature,
+                        top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
+                        max_tokens=max_tokens, stop=tuple(body.stop), ignore_eos=body.ignore_eos,
+                        seed=None if body.seed is None else body.seed + j)
+                    seqs.append(engine.new_sequence(ids, params, index=p_i * body.n + j,
+                                                    method=opts.method if opts else None,
+                                                    gamma=opts.gamma if opts else None))
+                except PromptTooLongError as e:
+                    raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+                except DraftwiseError as e:
+                    raise APIError(400, str(e), param="draftwise" if opts else None) from None
+        return seqs
+
+    async def _collect(request: Request, rid: str, head: dict, seqs, events: asyncio.Queue, chat: bool,
+                       prompt_tokens: int):
+        texts = [""] * len(seqs)
+        open_ = len(seqs)
+        try:
+            while open_:
+                try:
+                    ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        engine.cancel(rid)
+                        return Response(status_code=499)
+                    continue
+                if isinstance(ev, EngineFailure):
+                    raise APIError(500, ev.message, "server_error")
+                texts[ev.index] += ev.text
+                if ev.finish_reason is not None:
+                    open_ -= 1
+        except asyncio.CancelledError:
+            engine.cancel(rid)
+            raise
+        by_index = sorted(seqs, key=lambda s: s.index)
+        if chat:
+            choices = [{"index": s.index, "message": {"role": "assistant", "content": texts[s.index]},
+                        "finish_reason": s.finish_reason, "logprobs": None} for s in by_index]
+        else:
+            choices = [{"index": s.index, "text": texts[s.index], "finish_reason": s.finish_reason,
+                        "logprobs": None} for s in by_index]
+        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                "usage": usage(prompt_tokens, seqs), "draftwise": extension(seqs)}
+
+    async def _stream(rid: str, head: dict, seqs, events: asyncio.Queue, chat: bool, prompt_tokens: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        open_ = len(seqs)
+        by_index = {s.index: s for s in seqs}
+
+        def chunk(index: int, text: str | None, finish: str | None, role: bool = False, ext=None) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+            data = {**head, "object": obj, "choices": [choice]}
+            if ext is not None:
+                data["draftwise"] = ext
+            return sse(data)
+
+        try:
+            if chat:
+                for s in seqs:
+                    yield chunk(s.index, None, None, role=True)
+            while open_:
+                ev = await events.get()
+                if isinstance(ev, EngineFailure):
+                    yield sse(APIError(500, ev.message, "server_error").body())
+                    break
+                if ev.finish_reason is None:
+                    if ev.text:
+                        yield chunk(ev.index, ev.text, None)
+                    continue
+                open_ -= 1
+                if ev.text:
+                    yield chunk(ev.index, ev.text, None)
+                yield chunk(ev.index, None, ev.finish_reason, ext=extension([by_index[ev.index]]))
+            if include_usage and not open_:
+                yield sse({**head, "object": obj, "choices": [], "usage": usage(prompt_tokens, seqs),
+                           "draftwise": extension(seqs)})
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the response task is cancelled) or the stream ended
+            if open_:
+                engine.cancel(rid)
+
+    return app
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, seqs: list[ServeSequence]) -> dict:
+    completion = sum(s.num_output for s in seqs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def extension(seqs: list[ServeSequence]) -> dict:
+    """α and τ over the given choices (τ counts the bonus token; 1.00 for plain decoding)."""
+    drafted = sum(s.stats.drafted for s in seqs)
+    accepted = sum(s.stats.accepted for s in seqs)
+    tokens = sum(s.stats.new_tokens for s in seqs)
+    passes = sum(s.stats.target_passes for s in seqs)
+    methods = sorted({s.method for s in seqs})
+    return {"method": methods[0] if len(methods) == 1 else methods,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "mean_accepted_length": round(tokens / passes, 4) if passes else 0.0,
+            "drafted": drafted, "accepted": accepted}
+
+
+def _check_ids(ids: list[int], engine: Engine) -> list[int]:
+    vocab = engine.dw.target.config.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    return ids
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def validation_error(e: RequestValidationError) -> APIError:
+    """A pydantic error list → one OpenAI-style error naming the first offending parameter."""
+    errs = e.errors()
+    if not errs:
+        return APIError(400, "invalid request")
+    err = errs[0]
+    # drop "body" and union-member tags ("str", "list[int]") pydantic puts in the location
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _TYPE_TAG.fullmatch(str(x))]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+    if err.get("type") == "missing" and not loc:
+        return APIError(400, "the request needs a JSON body")
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing":
+        msg = "missing required parameter"
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param)

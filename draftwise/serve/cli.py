@@ -1,0 +1,142 @@
+"""``draftwise serve`` and ``draftwise bench-serve``: their arguments and entry points.
+
+``draftwise.cli`` only adds these parsers and dispatches here; FastAPI / uvicorn are imported when a
+command runs, so the rest of the CLI works without the ``serve`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from ..errors import DraftwiseError, InvalidParameterError
+
+COMMANDS = ("serve", "bench-serve")
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {s!r}")
+    return vals
+
+
+def _engine_args(p: argparse.ArgumentParser, methods) -> None:
+    p.add_argument("--method", default="draft", choices=methods, help="drafting method (default draft); "
+                   "requests may also ask for plain decoding ('ar')")
+    p.add_argument("--gamma", type=_positive_int, default=4, help="largest draft length (default 4)")
+    p.add_argument("--gamma-policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive (default): γ in [0, --gamma] maximising measured tokens/s, 0 turns "
+                        "speculation off under load; fixed: always --gamma")
+    p.add_argument("--kv-cache-mb", type=float, default=2048.0,
+                   help="memory for the target + draft KV caches; sets the number of cache rows (default 2048)")
+    p.add_argument("--max-batch", type=_positive_int, default=16, help="most sequences decoded together (default 16)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context per sequence, prompt + output (default: the model's, at most 4096)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="sequences that may wait for a free row; more are refused with 503 (default 64)")
+    p.add_argument("--max-prefill-tokens", type=_positive_int, default=2048,
+                   help="prompt tokens prefilled between two decode steps (default 2048)")
+
+
+def add_parsers(sub, model_args, methods) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    model_args(s)
+    _engine_args(s, methods)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("DRAFTWISE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $DRAFTWISE_API_KEY, else none)")
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    b = sub.add_parser("bench-serve", help="load-test the server in-process: requests/s and tokens/s at "
+                                           "several concurrencies, with and without speculation")
+    model_args(b)
+    _engine_args(b, methods)
+    b.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="comma-separated (default 1,4,16)")
+    b.add_argument("--requests", type=_positive_int, default=None,
+                   help="requests per concurrency level (default: max(4, 2 × concurrency))")
+    b.add_argument("--max-tokens", type=_positive_int, default=64, help="output tokens per request (default 64)")
+    b.add_argument("--modes", default="ar,fixed,adaptive",
+                   help="comma-separated: ar (no speculation), fixed (γ = --gamma), adaptive (default: all)")
+    b.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def main(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        print("draftwise: error: the server needs the serve extra: pip install 'draftwise[serve]'", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        return cmd_serve(args)
+    from .bench import cmd_bench_serve
+
+    return cmd_bench_serve(args)
+
+
+def engine_config(args):
+    from .engine import EngineConfig
+
+    if args.max_queue < 0:
+        raise InvalidParameterError(f"--max-queue must be >= 0, got {args.max_queue}")
+    return EngineConfig(method=args.method, gamma=args.gamma, gamma_policy=args.gamma_policy,
+                        kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch, max_model_len=args.max_model_len,
+                        max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens)
+
+
+def load(args, method: str):
+    from ..api import SpeculativeDecoder
+    from ..cli import _setup_threads
+
+    _setup_threads(args)
+    return SpeculativeDecoder(args.target, args.draft if method == "draft" else None, dtype=args.dtype,
+                              backend=args.backend)
+
+
+def cmd_serve(args) -> int:
+    from .engine import Engine
+    from .server import run_server
+
+    cfg = engine_config(args)
+    cfg.validate()  # before loading anything
+    if not _is_loopback(args.host) and not args.api_key:
+        print(f"draftwise: warning: serving on {args.host} without --api-key: anyone who can reach this "
+              "address can use the server", file=sys.stderr)
+    dw = load(args, cfg.method)
+    engine = Engine(dw, cfg)
+    name = args.served_model_name or args.target
+    print(f"draftwise: serving {name!r} (method {cfg.method}, γ ≤ {cfg.gamma} {cfg.gamma_policy}) on "
+          f"http://{args.host}:{args.port}/v1 — {engine.rows} cache rows × {engine.max_model_len} tokens "
+          f"({engine.rows * engine.row_bytes / 2**20:.0f} MiB KV), queue {cfg.max_queue}", file=sys.stderr)
+    try:
+        run_server(engine, name, args.host, args.port, args.api_key, args.log_level)
+    except OSError as e:  # port in use, address not available
+        raise DraftwiseError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

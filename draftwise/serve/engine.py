@@ -1,0 +1,450 @@
+"""The serving engine: continuous batching around the one decode loop (``Decoder``), in one thread.
+
+The engine thread owns the model, the caches and the ``Decoder``; nothing else touches them. Other
+threads (the asyncio HTTP server, a benchmark) talk to it through two thread-safe channels:
+
+- in: ``submit(seqs, sink)`` puts a request's sequences (one per choice) in a bounded waiting queue and
+  ``cancel(request_id)`` marks a request to drop; both wake the engine;
+- out: ``sink(event)`` is called from the engine thread with an ``Output`` (new text of one choice) or an
+  ``EngineFailure``. The HTTP side passes a sink that hands events to its event loop
+  (``loop.call_soon_threadsafe``).
+
+Each iteration of the loop: drop cancelled requests (their rows and cache are free at once), prefill
+waiting sequences into free rows (up to ``max_prefill_tokens`` prompt tokens, so running sequences are
+not starved by a burst of long prompts), then one ``Decoder.step()`` for every running sequence, then
+hand each sequence's new text to its sink. Requests join and leave the batch between steps.
+
+Memory: the KV caches of target and draft model are allocated once at start, ``rows`` rows of
+``max_model_len`` (+ draft headroom) tokens each, ``rows`` chosen to fit ``kv_cache_mb``. When every row
+is busy requests wait; when ``max_queue`` are waiting ``submit`` refuses (``EngineFullError``, HTTP 503).
+Nothing grows with load, so load cannot exhaust memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..api import METHODS, SpeculativeDecoder, output_text
+from ..decode import Decoder, FixedGamma, GammaPolicy
+from ..drafters.base import Draft, Drafter
+from ..errors import DraftwiseError, InvalidParameterError
+from ..gamma import AdaptiveGamma
+from ..sequence import Sequence
+from .detok import IncrementalDetokenizer
+from .metrics import EngineMetrics
+
+log = logging.getLogger("draftwise.serve")
+
+DTYPE_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+# a batch whose rows all draft nothing still lets the drafter see its new tokens every this many steps,
+# so the drafter's catch-up pass when drafting resumes stays short (a few tokens, a small logits tensor)
+DRAFTER_SYNC_STEPS = 16
+
+
+class EngineFullError(DraftwiseError):
+    """Every cache row is busy and the waiting queue is full (HTTP 503)."""
+
+
+class EngineStoppedError(DraftwiseError):
+    pass
+
+
+@dataclass(eq=False)
+class ServeSequence(Sequence):
+    """A ``Sequence`` plus what the server needs: the request it belongs to, its choice index, the
+    draft-length cap the request asked for (0 = no speculation for this choice)."""
+
+    index: int = 0
+    gamma_cap: int | None = None
+    method: str = "ar"
+    detok: IncrementalDetokenizer | None = None
+    sent_tokens: int = 0  # output tokens already handed to the sink
+    request: "EngineRequest | None" = None
+
+    __hash__ = object.__hash__  # identity: two choices with equal tokens are still two sequences
+    __eq__ = object.__eq__
+
+
+@dataclass
+class Output:
+    """New output of one choice since its previous Output."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" at the end
+    seq: ServeSequence  # stats, prompt length, ... (read them once finish_reason is set)
+
+
+@dataclass
+class EngineFailure:
+    request_id: str
+    message: str
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    request_id: str
+    seqs: list[ServeSequence]
+    sink: Callable[[object], None]
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    cancelled: bool = False
+
+
+class CappedDrafter:
+    """Wraps the server's drafter: each row drafts at most its sequence's ``gamma_cap`` tokens (a request
+    that chose plain decoding or a smaller γ). Rows capped to 0 still share the drafter's batch state, so
+    they can sit in the same batch as speculating rows. Records the draft lengths of the latest step.
+
+    When every row is capped to 0, the drafter is still asked for one token per row every
+    ``DRAFTER_SYNC_STEPS`` steps, and its proposals are dropped — to the drafter they were rejected
+    (the decode loop's ``accept`` reports 0 accepted) — so a draft model's cache never lags far behind.
+    While the adaptive policy has turned speculation off (the decode loop does not call the drafter), it
+    tries another γ every ``DRAFTER_SYNC_STEPS`` steps, which keeps the drafter in step the same way.
+    """
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.name = inner.name
+        self.last_ks: list[int] = []
+        self.step = 0  # the engine's step counter
+        self._synced = 0
+
+    def start(self, seq: Sequence) -> None:
+        self.inner.start(seq)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        ks = [k if s.gamma_cap is None else min(k, s.gamma_cap) for s, k in zip(seqs, ks)]
+        self.last_ks = ks
+        if max(ks, default=0) > 0:
+            self._synced = self.step
+            return self.inner.propose(seqs, ks)
+        if self.step - self._synced >= DRAFTER_SYNC_STEPS:
+            self._synced = self.step
+            self.inner.propose(seqs, [1] * len(seqs))
+        return [Draft([]) for _ in seqs]
+
+    def accept(self, seq, n_before, num_accepted, target_logits) -> None:
+        self.inner.accept(seq, n_before, num_accepted, target_logits)
+
+    def release(self, seq: Sequence) -> None:
+        self.inner.release(seq)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.inner.move_row(src, dst)
+
+
+@dataclass
+class EngineConfig:
+    method: str = "draft"
+    gamma: int = 4  # the largest draft length (fixed policy: always this)
+    gamma_policy: str = "adaptive"  # "adaptive" | "fixed"
+    kv_cache_mb: float = 2048.0
+    max_batch: int = 16
+    max_model_len: int | None = None  # default: min(model context, 4096)
+    max_queue: int = 64
+    max_prefill_tokens: int = 2048  # prompt tokens prefilled per loop iteration (at least one prompt)
+    drafter_options: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidParameterError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.gamma_policy not in ("adaptive", "fixed"):
+            raise InvalidParameterError(f"gamma policy must be adaptive or fixed, got {self.gamma_policy!r}")
+        for name, lo in (("gamma", 1), ("max_batch", 1), ("max_queue", 0), ("max_prefill_tokens", 1)):
+            if getattr(self, name) < lo:
+                raise InvalidParameterError(f"{name} must be >= {lo}, got {getattr(self, name)}")
+        if self.kv_cache_mb <= 0:
+            raise InvalidParameterError(f"kv_cache_mb must be > 0, got {self.kv_cache_mb}")
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys + values one token occupies in a model's cache."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * DTYPE_BYTES.get(dtype, 4)
+
+
+class Engine:
+    """Continuous-batching speculative decoding engine. ``start()`` launches its thread."""
+
+    def __init__(self, dw: SpeculativeDecoder, config: EngineConfig | None = None):
+        cfg = config or EngineConfig()
+        cfg.validate()
+        self.dw, self.cfg = dw, cfg
+        self.tokenizer = dw.tokenizer
+        model = dw.target.model
+        ctx = model.config.max_context
+        self.max_model_len = min(cfg.max_model_len or min(ctx, 4096), ctx)
+        if self.max_model_len < 2:
+            raise InvalidParameterError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self.method = cfg.method
+        self.speculative = cfg.method != "ar"
+        self.headroom = cfg.gamma + 1 if self.speculative else 1
+        self.capacity = self.max_model_len + self.headroom  # tokens per cache row
+        per_token = kv_bytes_per_token(model.config, model.dtype)
+        if cfg.method == "draft":
+            per_token += kv_bytes_per_token(dw.draft.model.config, dw.draft.model.dtype)
+        self.row_bytes = per_token * self.capacity
+        fit = int(cfg.kv_cache_mb * 2**20 // self.row_bytes)
+        if fit < 1:
+            raise InvalidParameterError(
+                f"--kv-cache-mb {cfg.kv_cache_mb:g} holds no sequence of --max-model-len {self.max_model_len} "
+                f"({self.row_bytes / 2**20:.1f} MiB each); raise --kv-cache-mb or lower --max-model-len")
+        self.rows = min(cfg.max_batch, fit)
+        if dw.backend == "hf":  # the HF adapter's cache holds one sequence
+            self.rows = 1
+        self.policy = self._make_policy()
+        self.metrics = EngineMetrics(self)
+        self.decoder = self._make_decoder()
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[ServeSequence] = collections.deque()
+        self._cancelled: set[str] = set()
+        self._requests: dict[str, EngineRequest] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.gamma_now = 0  # draft length of the latest step (0 = no speculation)
+        self.steps = 0
+
+    def _make_policy(self) -> GammaPolicy:
+        if self.cfg.gamma_policy == "fixed":
+            return FixedGamma(self.cfg.gamma)
+        return AdaptiveGamma(self.cfg.gamma, explore_every=DRAFTER_SYNC_STEPS, cap=lambda s: s.gamma_cap)
+
+    def _make_decoder(self) -> Decoder:
+        drafter = self.dw.make_drafter(self.method, self.rows, self.capacity, **self.cfg.drafter_options)
+        self.drafter = CappedDrafter(drafter) if drafter is not None else None
+        tok = self.tokenizer
+        return Decoder(self.dw.target.model, self.drafter, self.policy, eos_ids=tok.eos_ids,
+                       detokenize=tok.decode, rows=self.rows, capacity=self.capacity)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="draftwise-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the thread-safe interface ---------------------------------------------------------------
+    @property
+    def served_methods(self) -> tuple[str, ...]:
+        """Methods a request may ask for: the server's own, and plain decoding (a row that drafts 0)."""
+        return (self.method, "ar") if self.speculative else ("ar",)
+
+    def new_sequence(self, prompt_ids: list[int], params, *, index: int = 0, method: str | None = None,
+                     gamma: int | None = None) -> ServeSequence:
+        """Build a choice's sequence, checking method, γ and that it fits (raises InvalidParameterError)."""
+        method = method or self.method
+        if method not in self.served_methods:
+            raise InvalidParameterError(
+                f"this server serves methods {', '.join(self.served_methods)}, not {method!r} (start it with "
+                f"--method {method} to serve it)")
+        if gamma is not None and (not isinstance(gamma, int) or gamma < 0 or gamma > self.cfg.gamma):
+            raise InvalidParameterError(f"gamma must be an integer in [0, {self.cfg.gamma}] on this server "
+                                        f"(0 = no speculation), got {gamma!r}")
+        cap = 0 if method == "ar" else gamma
+        seq = ServeSequence(list(prompt_ids), params, index=index, gamma_cap=cap, method=method)
+        self.check_fits(seq)
+        return seq
+
+    def check_fits(self, seq: Sequence) -> None:
+        self.decoder.check_fits(seq)  # reads only sizes; safe from any thread
+
+    def submit(self, request_id: str, seqs: list[ServeSequence], sink: Callable[[object], None]) -> EngineRequest:
+        """Queue a request's sequences. Raises EngineFullError when they do not fit in the waiting queue."""
+        req = EngineRequest(request_id, seqs, sink)
+        for s in seqs:
+            s.request_id, s.request = request_id, req
+            s.detok = IncrementalDetokenizer(self.tokenizer.decode, s.params.stop)
+        with self._lock:
+            if self._stop:
+                raise EngineStoppedError("the server is shutting down")
+            room = self.cfg.max_queue + max(0, self.decoder.free_rows) - len(self._waiting)
+            if len(seqs) > room:
+                self.metrics.rejected.inc()
+                raise EngineFullError(f"server is at capacity ({self.rows} running, {len(self._waiting)} "
+                                      f"waiting); retry later")
+            self._requests[request_id] = req
+            self._waiting.extend(seqs)
+            self.metrics.requests.inc()
+            self._lock.notify_all()
+        return req
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request (client gone): its rows and caches are freed before the next step."""
+        with self._lock:
+            if request_id in self._requests:
+                self._cancelled.add(request_id)
+                self._lock.notify_all()
+
+    def snapshot(self) -> dict:
+        """Counts for /health and tests (approximate while the engine runs)."""
+        with self._lock:
+            waiting = len(self._waiting)
+            requests = len(self._requests)
+        return {"running": len(self.decoder.running), "waiting": waiting, "requests": requests,
+                "rows": self.rows, "gamma": self.gamma_now, "steps": self.steps, "alive": self.alive}
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.decoder.running)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    while not (self._stop or self._waiting or self._cancelled or self.decoder.running):
+                        self._lock.wait()
+                    if self._stop:
+                        break
+                    cancelled, self._cancelled = self._cancelled, set()
+                try:
+                    self._drop(cancelled)
+                    self._admit()
+                    self._step()
+                except Exception as e:  # a bug must not take the server down: fail what is running
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    self._fail_all(f"internal error in the decode loop: {type(e).__name__}: {e}")
+        self._fail_all("the server is shutting down", rebuild=False)
+
+    def _drop(self, cancelled: set[str]) -> None:
+        if not cancelled:
+            return
+        with self._lock:
+            dropped = [s for s in self._waiting if s.request_id in cancelled]
+            for s in dropped:
+                self._waiting.remove(s)
+        for s in list(self.decoder.running):
+            if s.request_id in cancelled:
+                self.decoder.abort(s)
+                dropped.append(s)
+        for s in dropped:
+            s.finish_reason = "abort"
+            self._finish(s)
+
+    def _admit(self) -> None:
+        budget = self.cfg.max_prefill_tokens
+        while self.decoder.free_rows > 0:
+            with self._lock:
+                if not self._waiting or (budget < self._waiting[0].prompt_len and budget < self.cfg.max_prefill_tokens):
+                    return
+                seq = self._waiting.popleft()
+            budget -= seq.prompt_len
+            seq.started = time.perf_counter()
+            try:
+                self.decoder.add(seq)
+            except DraftwiseError as e:  # checked at submit; a clear message all the same
+                self._fail_request(seq.request, str(e))
+                continue
+            self.metrics.prompt_tokens.inc(seq.prompt_len)
+            self._emit(seq)
+
+    def _step(self) -> None:
+        running = list(self.decoder.running)
+        if not running:
+            return
+        if self.drafter is not None:
+            self.drafter.last_ks, self.drafter.step = [], self.steps
+        before = [(s.num_output, s.stats.drafted, s.stats.accepted) for s in running]
+        t0 = time.perf_counter()
+        self.decoder.step()
+        dt = time.perf_counter() - t0
+        self.steps += 1
+        self.gamma_now = max(self.drafter.last_ks, default=0) if self.drafter is not None else 0
+        emitted = drafted = accepted = 0
+        for s, (n0, d0, a0) in zip(running, before):
+            emitted += s.num_output - n0
+            drafted += s.stats.drafted - d0
+            accepted += s.stats.accepted - a0
+        self.metrics.observe_step(len(running), self.gamma_now, emitted, drafted, accepted, dt)
+        for s in running:
+            self._emit(s)
+
+    def _emit(self, s: ServeSequence) -> None:
+        """Hand a sequence's new tokens (as text) to its request's sink; finish it if done."""
+        new = s.output_ids[s.sent_tokens:]
+        s.sent_tokens = s.num_output
+        req = s.request
+        if req.first_token_at is None and new:
+            req.first_token_at = time.perf_counter()
+            self.metrics.ttft.observe(req.first_token_at - req.submitted)
+        if s.finished:
+            text = s.detok.finish(output_text(s, self.tokenizer.decode))
+        else:
+            text = s.detok.push(new)
+        self.metrics.generation_tokens.inc(len(new))
+        self._deliver(req, Output(req.request_id, s.index, text, new, s.finish_reason, s))
+        if s.finished:
+            self._finish(s)
+
+    def _finish(self, s: ServeSequence) -> None:
+        req = s.request
+        self.metrics.finished.labels(s.finish_reason or "abort").inc()
+        if s.finish_reason == "abort":
+            self._deliver(req, Output(req.request_id, s.index, "", [], "abort", s))
+        with self._lock:
+            if all(x.finished for x in req.seqs):
+                self._requests.pop(req.request_id, None)
+                self._cancelled.discard(req.request_id)
+
+    def _fail_request(self, req: EngineRequest, message: str) -> None:
+        with self._lock:
+            for s in req.seqs:
+                if s in self._waiting:
+                    self._waiting.remove(s)
+            self._requests.pop(req.request_id, None)
+        for s in req.seqs:
+            if s in self.decoder.running:
+                self.decoder.abort(s)
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        self.metrics.failed.inc()
+        self._deliver(req, EngineFailure(req.request_id, message))
+
+    def _fail_all(self, message: str, rebuild: bool = True) -> None:
+        with self._lock:
+            reqs = list(self._requests.values())
+        for req in reqs:
+            try:
+                self._fail_request(req, message)
+            except Exception:  # the decoder itself may be broken: rebuild it below
+                pass
+        if rebuild:
+            self.decoder = self._make_decoder()
+
+    @staticmethod
+    def _deliver(req: EngineRequest, event: object) -> None:
+        try:
+            req.sink(event)
+        except Exception:  # the consumer is gone (its event loop closed): nothing to tell
+            pass
+
+
+def with_overrides(cfg: EngineConfig, **changes) -> EngineConfig:
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,82 @@
+"""Prometheus metrics of one engine (its own registry, so several engines can live in one process)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+WINDOW_S = 10.0  # tokens/s, acceptance rate and τ gauges cover the steps of the last WINDOW_S seconds
+
+
+class EngineMetrics:
+    def __init__(self, engine):
+        self.registry = r = CollectorRegistry()
+        ns = "draftwise"
+        self.requests = Counter("requests", "Requests accepted into the queue", namespace=ns, registry=r)
+        self.rejected = Counter("requests_rejected", "Requests refused because the queue was full (503)",
+                                namespace=ns, registry=r)
+        self.failed = Counter("requests_failed", "Requests ended by an engine error", namespace=ns, registry=r)
+        self.finished = Counter("sequences_finished", "Finished sequences (choices) by finish reason",
+                                ["finish_reason"], namespace=ns, registry=r)
+        self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens prefilled", namespace=ns, registry=r)
+        self.generation_tokens = Counter("generation_tokens", "Output tokens generated", namespace=ns, registry=r)
+        self.drafted = Counter("draft_tokens", "Draft tokens proposed", namespace=ns, registry=r)
+        self.accepted = Counter("accepted_tokens", "Draft tokens accepted", namespace=ns, registry=r)
+        self.steps = Counter("steps", "Decode steps by draft length γ (0 = no speculation)", ["gamma"],
+                             namespace=ns, registry=r)
+        self.step_seconds = Histogram("step_seconds", "Duration of one decode step for the whole batch",
+                                      namespace=ns, registry=r,
+                                      buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+        self.ttft = Histogram("time_to_first_token_seconds", "From submission to the first output token",
+                              namespace=ns, registry=r, buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        g = lambda name, doc: Gauge(name, doc, namespace=ns, registry=r)  # noqa: E731
+        g("queue_depth", "Sequences waiting for a cache row").set_function(lambda: engine.queue_depth)
+        g("batch_size", "Sequences in the running batch").set_function(lambda: engine.batch_size)
+        g("cache_rows", "KV cache rows (the largest batch)").set_function(lambda: engine.rows)
+        g("gamma", "Draft length γ chosen for the latest step (0 = speculation off)").set_function(
+            lambda: engine.gamma_now)
+        g("tokens_per_second", f"Output tokens per second over the last {WINDOW_S:g} s").set_function(
+            self.tokens_per_s)
+        g("acceptance_rate", f"α = accepted / drafted over the last {WINDOW_S:g} s").set_function(
+            self.acceptance_rate)
+        g("mean_accepted_length", f"τ = tokens per row per target pass over the last {WINDOW_S:g} s"
+          ).set_function(self.mean_accepted_length)
+        self._window: collections.deque[tuple[float, int, int, int, int]] = collections.deque()
+        self._mu = threading.Lock()
+
+    def observe_step(self, rows: int, gamma: int, emitted: int, drafted: int, accepted: int, seconds: float):
+        self.steps.labels(str(gamma)).inc()
+        self.step_seconds.observe(seconds)
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
+        with self._mu:
+            self._window.append((time.monotonic(), rows, emitted, drafted, accepted))
+
+    def _recent(self) -> tuple[int, int, int, int]:
+        now = time.monotonic()
+        with self._mu:
+            while self._window and self._window[0][0] < now - WINDOW_S:
+                self._window.popleft()
+            rows = sum(w[1] for w in self._window)
+            emitted = sum(w[2] for w in self._window)
+            drafted = sum(w[3] for w in self._window)
+            accepted = sum(w[4] for w in self._window)
+        return rows, emitted, drafted, accepted
+
+    def tokens_per_s(self) -> float:
+        return self._recent()[1] / WINDOW_S
+
+    def acceptance_rate(self) -> float:
+        _, _, drafted, accepted = self._recent()
+        return accepted / drafted if drafted else 0.0
+
+    def mean_accepted_length(self) -> float:
+        rows, emitted, _, _ = self._recent()
+        return emitted / rows if rows else 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

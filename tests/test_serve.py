@@ -1,0 +1,449 @@
+"""The serving layer on tiny random models (fast): incremental detokenization, the adaptive γ policy,
+the engine (continuous batching, outputs never mix, queue bound, cancellation, memory budget) and the
+HTTP API's error handling against a live server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from draftwise.api import SpeculativeDecoder
+from draftwise.decode import Decoder
+from draftwise.errors import InvalidParameterError
+from draftwise.gamma import AdaptiveGamma, expected_tokens
+from draftwise.models import LoadedModel, load_model
+from draftwise.sampling import SamplingParams
+from draftwise.sequence import Sequence
+from draftwise.serve.detok import IncrementalDetokenizer
+from draftwise.serve.engine import Engine, EngineConfig, EngineFullError, Output
+from draftwise.serve.server import BackgroundServer
+from tests.conftest import perturbed
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_dw(hf_folder) -> SpeculativeDecoder:
+    """A tiny random Llama with a real (byte-level BPE) tokenizer and chat template; the draft model is a
+    noisy copy, so drafts are accepted often but not always (ragged acceptance)."""
+    target = load_model(str(hf_folder), "bf16", progress=False)
+    noisy = perturbed(target.model, 0.3, seed=5).to(target.model.dtype)
+    draft = LoadedModel("tiny-draft", noisy, target.tokenizer, 0.0)
+    return SpeculativeDecoder(target, draft)
+
+
+def reference(dw: SpeculativeDecoder, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy output of the prompt decoded alone, without speculation."""
+    dec = Decoder(dw.target.model, None, rows=1, capacity=len(prompt) + max_tokens + 2,
+                  eos_ids=dw.tokenizer.eos_ids, detokenize=dw.tokenizer.decode)
+    seq = Sequence(prompt, SamplingParams(max_tokens=max_tokens))
+    with torch.inference_mode():
+        dec.run([seq])
+    return seq.output_ids
+
+
+def collect(engine: Engine, rid: str, seqs, timeout: float = 60.0) -> dict[int, list[Output]]:
+    q: queue.Queue = queue.Queue()
+    engine.submit(rid, seqs, q.put)
+    out: dict[int, list[Output]] = {s.index: [] for s in seqs}
+    deadline = time.monotonic() + timeout
+    while any(not o or o[-1].finish_reason is None for o in out.values()):
+        ev = q.get(timeout=max(0.1, deadline - time.monotonic()))
+        out[ev.index].append(ev)
+    return out
+
+
+# ---- incremental detokenization -------------------------------------------------------------------
+def test_detokenizer_never_splits_a_character(tiny_dw):
+    tok = tiny_dw.tokenizer
+    text = "héllo 日本語 wörld — ok"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # characters really span tokens here
+    d = IncrementalDetokenizer(tok.decode)
+    pieces = [d.push([i]) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids)
+
+
+def test_detokenizer_holds_back_a_possible_stop_string(tiny_dw):
+    tok = tiny_dw.tokenizer
+    ids = tok.encode("the quick brown fox")
+    d = IncrementalDetokenizer(tok.decode, stop=("brown", "xyz"))
+    shown = ""
+    for n in range(1, len(ids) + 1):
+        if "brown" in tok.decode(ids[:n]):  # here the decode loop ends the sequence at the stop string
+            break
+        shown += d.push([ids[n - 1]])
+        assert "b" not in shown  # "b", "br", ... might start "brown": not shown yet
+    shown += d.finish("the quick ")  # the output text, cut at the stop string
+    assert shown == "the quick "
+
+
+# ---- the adaptive γ policy ------------------------------------------------------------------------
+def test_expected_tokens():
+    assert expected_tokens(0, 0.7) == 1.0
+    assert expected_tokens(3, 1.0) == 4.0
+    assert expected_tokens(2, 0.5) == pytest.approx(1.75)
+
+
+def _simulate(policy: AdaptiveGamma, B: int, steps: int, alpha: float, rng: random.Random) -> list[int]:
+    """Steps with a synthetic CPU-like cost: a fixed weight-read cost, compute per token verified, and a
+    draft pass per drafted token. Verification is free-ish at B=1 and expensive at B=64."""
+    seqs = [Sequence([1, 2, 3], SamplingParams(max_tokens=10_000)) for _ in range(B)]
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose(seqs)
+        keff = policy.last
+        chosen.append(keff)
+        acc = []
+        for s in seqs:
+            n = 0
+            while n < keff and rng.random() < alpha:
+                n += 1
+            s.stats.record_step(keff, n)
+            acc.append(n)
+        cost = 0.02 + 0.002 * B * (keff + 1) + 0.004 * keff
+        policy.observe(k, acc, cost * rng.uniform(0.95, 1.05))
+    return chosen
+
+
+def test_adaptive_gamma_speculates_when_cheap_and_stops_under_load():
+    rng = random.Random(0)
+    policy = AdaptiveGamma(4, explore_every=10)
+    alone = _simulate(policy, 1, 120, 0.8, rng)[-40:]
+    loaded = _simulate(policy, 64, 120, 0.8, rng)[-40:]
+    # exploration steps aside, γ is large alone and 0 (speculation off) with a big batch
+    assert sorted(alone)[len(alone) // 2] >= 3
+    assert sorted(loaded)[len(loaded) // 2] == 0 and loaded.count(0) >= 30
+    assert policy.acceptance_rate == pytest.approx(0.8, abs=0.1)
+
+
+def test_adaptive_gamma_respects_row_caps():
+    policy = AdaptiveGamma(4, cap=lambda s: 0)
+    seqs = [Sequence([1], SamplingParams(max_tokens=50))]
+    policy.choose(seqs)
+    assert policy.last == 0
+    with pytest.raises(InvalidParameterError):
+        AdaptiveGamma(0)
+
+
+# ---- the engine -----------------------------------------------------------------------------------
+def test_memory_budget_sets_rows(tiny_dw):
+    cfg = tiny_dw.target.config
+    per_token = 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # bf16 k+v, target and draft alike
+    e = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, max_model_len=100, max_batch=64,
+                                     kv_cache_mb=per_token * 2 * 104 * 5.5 / 2**20))
+    assert e.rows == 5 and e.capacity == 104
+    assert e.decoder.cache.rows == 5 and e.drafter.inner.cache.rows == 5
+    with pytest.raises(InvalidParameterError, match="kv-cache-mb"):
+        Engine(tiny_dw, EngineConfig(max_model_len=100, kv_cache_mb=0.001))
+
+
+def test_concurrent_requests_never_mix(tiny_dw):
+    """Many different prompts with different lengths, methods and γ caps through a 4-row engine (most
+    wait in the queue, join as rows free up): each output is what the prompt gives alone."""
+    rng = random.Random(1)
+    engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, max_model_len=120, max_batch=4, max_queue=64))
+    engine.start()
+    try:
+        jobs, sinks = [], []
+        for i in range(24):
+            prompt = [rng.randrange(3, 290) for _ in range(rng.randrange(1, 12))]
+            max_tokens = rng.randrange(1, 30)
+            method, gamma = [("draft", None), ("ar", None), ("draft", 1), ("draft", 2)][i % 4]
+            seq = engine.new_sequence(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                      method=method, gamma=gamma)
+            q: queue.Queue = queue.Queue()
+            engine.submit(f"r{i}", [seq], q.put)
+            jobs.append((prompt, max_tokens, seq))
+            sinks.append(q)
+        for (prompt, max_tokens, seq), q in zip(jobs, sinks):
+            events = []
+            while not events or events[-1].finish_reason is None:
+                events.append(q.get(timeout=60))
+            ids = [t for e in events for t in e.token_ids]
+            assert ids == seq.output_ids == reference(tiny_dw, prompt, max_tokens)
+            assert "".join(e.text for e in events) == tiny_dw.tokenizer.decode(ids)
+            assert events[-1].finish_reason == "length"
+        drafted = [s.stats.drafted for _, _, s in jobs]
+        assert drafted[1::4] == [0] * 6 and sum(drafted) > 0  # "ar" requests drafted nothing
+        ragged = {s.stats.acceptance_rate for _, _, s in jobs if s.stats.drafted}
+        assert len(ragged) > 1  # rows accepted different numbers of drafts
+        assert engine.snapshot()["running"] == 0 and engine.snapshot()["requests"] == 0
+    finally:
+        engine.stop()
+
+
+def test_drafter_kept_in_step_while_no_row_drafts(tiny_dw):
+    """Rows that draft nothing (plain-decoding requests) still let the draft model catch up now and then,
+    so a speculating row joining later finds a short catch-up; every output stays exact."""
+    from draftwise.serve.engine import DRAFTER_SYNC_STEPS
+
+    engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, gamma_policy="fixed", max_model_len=120,
+                                          max_batch=3))
+    p = SamplingParams(max_tokens=90, ignore_eos=True)
+    plain = [engine.new_sequence([7 + i, 8, 9], p, method="ar") for i in range(2)]
+    engine.start()
+    try:
+        sinks = [queue.Queue() for _ in range(3)]
+        for i, seq in enumerate(plain):
+            engine.submit(f"ar{i}", [seq], sinks[i].put)
+        while plain[0].num_output < 50:
+            time.sleep(0.002)
+        lag = len(plain[0].tokens) - plain[0].drafter_state
+        assert 0 <= lag <= DRAFTER_SYNC_STEPS + 2
+        late = engine.new_sequence([11, 12], SamplingParams(max_tokens=30, ignore_eos=True))
+        engine.submit("late", [late], sinks[2].put)
+        for q in sinks:
+            while q.get(timeout=60).finish_reason is None:
+                pass
+        for seq in plain + [late]:
+            assert seq.output_ids == reference(tiny_dw, seq.prompt_ids, seq.params.max_tokens)
+        assert late.stats.drafted > 0 and all(s.stats.drafted == 0 for s in plain)
+    finally:
+        engine.stop()
+
+
+def test_queue_bound_refuses(tiny_dw):
+    engine = Engine(tiny_dw, EngineConfig(method="ar", max_model_len=64, max_batch=2, max_queue=1))
+    p = SamplingParams(max_tokens=4)
+    engine.submit("a", [engine.new_sequence([5, 6], p)], lambda ev: None)
+    engine.submit("b", [engine.new_sequence([5, 6], p), engine.new_sequence([7], p)], lambda ev: None)
+    with pytest.raises(EngineFullError):  # 2 rows + 1 queue slot are taken (the engine is not running)
+        engine.submit("c", [engine.new_sequence([5, 6], p)], lambda ev: None)
+    engine.start()
+    try:
+        out = collect(engine, "d", [engine.new_sequence([8, 9], p)])  # once the others ran, room again
+        assert out[0][-1].finish_reason == "length"
+    finally:
+        engine.stop()
+
+
+def test_cancel_frees_the_row(tiny_dw):
+    engine = Engine(tiny_dw, EngineConfig(method="draft", max_model_len=250, max_batch=2))
+    events: queue.Queue = queue.Queue()
+    gate = threading.Event()
+
+    def sink(ev):  # runs in the engine thread: hold it at the first token until the cancel is in
+        gate.wait(10)
+        events.put(ev)
+
+    seq = engine.new_sequence([5, 6, 7], SamplingParams(max_tokens=240, ignore_eos=True))
+    engine.start()
+    try:
+        engine.submit("long", [seq], sink)
+        while engine.snapshot()["running"] == 0:
+            time.sleep(0.005)
+        engine.cancel("long")
+        gate.set()
+        deadline = time.monotonic() + 10
+        while engine.snapshot()["requests"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.snapshot()["running"] == 0 and engine.snapshot()["requests"] == 0
+        assert seq.finish_reason == "abort" and seq.num_output < 20
+        assert engine.decoder.free_rows == 2
+        last = None
+        while not events.empty():
+            last = events.get()
+        assert last.finish_reason == "abort"
+    finally:
+        engine.stop()
+
+
+def test_bad_sequence_requests(tiny_dw):
+    ar = Engine(tiny_dw, EngineConfig(method="ar", max_model_len=64, max_batch=1))
+    with pytest.raises(InvalidParameterError, match="serves methods ar"):
+        ar.new_sequence([1], SamplingParams(), method="draft")
+    sp = Engine(tiny_dw, EngineConfig(method="pld", gamma=3, max_model_len=64, max_batch=1))
+    with pytest.raises(InvalidParameterError, match="gamma"):
+        sp.new_sequence([1], SamplingParams(), gamma=9)
+    with pytest.raises(InvalidParameterError):
+        sp.new_sequence([1] * 60, SamplingParams(max_tokens=10))
+
+
+# ---- HTTP: errors, refusal, disconnects (a live server on 127.0.0.1) ------------------------------
+@pytest.fixture(scope="module")
+def tiny_server(tiny_dw):
+    engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, max_model_len=200, max_batch=2, max_queue=2))
+    with BackgroundServer(engine, MODEL, api_key="sekret") as srv:
+        yield srv
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+def post(srv, path: str, body=None, *, headers=AUTH, content=None) -> httpx.Response:
+    return httpx.post(srv.base_url + path, json=body, content=content, headers=headers, timeout=60)
+
+
+def chat_body(**kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5, **kw}
+
+
+BAD = [
+    ("/v1/chat/completions", chat_body(temperature=-0.5), 400, "temperature"),
+    ("/v1/chat/completions", chat_body(top_p=0), 400, "top_p"),
+    ("/v1/chat/completions", chat_body(top_p=1.5), 400, "top_p"),
+    ("/v1/chat/completions", chat_body(max_tokens=0), 400, "max_tokens"),
+    ("/v1/chat/completions", chat_body(max_tokens=100_000), 400, "max_tokens"),
+    ("/v1/chat/completions", chat_body(n=0), 400, "n"),
+    ("/v1/chat/completions", chat_body(n=50), 400, "n"),
+    ("/v1/chat/completions", chat_body(model="gpt-4"), 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", chat_body(messages=[]), 400, "messages"),
+    ("/v1/chat/completions", chat_body(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role"),
+    ("/v1/chat/completions", chat_body(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages"),
+    ("/v1/chat/completions", chat_body(logprobs=True), 400, "logprobs"),
+    ("/v1/chat/completions", chat_body(stop=["a", ""]), 400, "stop"),
+    ("/v1/chat/completions", chat_body(draftwise={"method": "nasd"}), 400, "draftwise"),
+    ("/v1/chat/completions", chat_body(draftwise={"gamma": 7}), 400, "draftwise"),
+    ("/v1/chat/completions", chat_body(draftwise={"gamma": -1}), 400, "draftwise.gamma"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x " * 300}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{b[3]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_openai_errors(tiny_server, path, body, status, param):
+    r = post(tiny_server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
+
+
+def test_malformed_json_wrong_key_unknown_route(tiny_server):
+    r = post(tiny_server, "/v1/chat/completions", content=b'{"model": "tiny", "messages": [', headers={
+        **AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        r = post(tiny_server, "/v1/chat/completions", chat_body(), headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(tiny_server.base_url + "/v1/models")
+    assert r.status_code == 401
+    r = httpx.get(tiny_server.base_url + "/v2/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    # and the server keeps serving
+    assert httpx.get(tiny_server.base_url + "/health").json()["status"] == "ok"
+    r = post(tiny_server, "/v1/chat/completions", chat_body(temperature=0))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    models = httpx.get(tiny_server.base_url + "/v1/models", headers=AUTH).json()
+    assert models["data"][0]["id"] == MODEL
+
+
+def test_full_server_answers_503_and_disconnects_free_slots(tiny_dw):
+    """2 rows + 2 queue slots: 3 streams and a plain request fill the server, a fifth is refused with 503
+    (the engine thread is held back so nothing finishes meanwhile); the four clients then go away (the
+    plain one by timing out) and, once the engine runs, their rows and queue slots are free again."""
+    engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, max_model_len=200, max_batch=2, max_queue=2))
+    engine.start = lambda: engine  # hold the engine thread back: requests stay queued
+
+    async def scenario(base_url):
+        body = chat_body(max_tokens=50, stream=True, temperature=0)
+        async with httpx.AsyncClient(base_url=base_url, headers=AUTH, timeout=60) as client:
+            streams = []
+            for _ in range(3):
+                cm = client.stream("POST", "/v1/chat/completions", json=body)
+                r = await cm.__aenter__()
+                assert r.status_code == 200
+                streams.append(cm)
+            plain = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(), timeout=1.5))
+            while engine.snapshot()["waiting"] < 4:
+                await asyncio.sleep(0.01)
+            refused = await client.post("/v1/chat/completions", json=chat_body())
+            with pytest.raises(httpx.ReadTimeout):
+                await plain
+            for cm in streams:  # the streaming clients go away too
+                await cm.__aexit__(None, None, None)
+            return refused
+
+    with BackgroundServer(engine, MODEL, api_key="sekret") as srv:
+        refused = asyncio.run(scenario(srv.base_url))
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_overloaded"
+        assert refused.headers.get("retry-after") == "1"
+        deadline = time.monotonic() + 10
+        while len(engine._cancelled) < 4 and time.monotonic() < deadline:  # noticed by the HTTP side
+            time.sleep(0.02)
+        Engine.start(engine)
+        while engine.snapshot()["requests"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        snap = engine.snapshot()
+        assert snap["running"] == 0 and snap["waiting"] == 0 and snap["requests"] == 0
+        metrics = httpx.get(srv.base_url + "/metrics").text
+        assert 'draftwise_sequences_finished_total{finish_reason="abort"} 4.0' in metrics
+        assert "draftwise_requests_rejected_total 1.0" in metrics
+        assert post(srv, "/v1/chat/completions", chat_body()).status_code == 200
+
+
+def test_metrics_names(tiny_server):
+    text = httpx.get(tiny_server.base_url + "/metrics").text
+    for name in ("draftwise_requests_total", "draftwise_generation_tokens_total", "draftwise_queue_depth",
+                 "draftwise_batch_size", "draftwise_acceptance_rate", "draftwise_mean_accepted_length",
+                 "draftwise_tokens_per_second", "draftwise_gamma", "draftwise_steps_total"):
+        assert name in text, name
+
+
+# ---- the command line -----------------------------------------------------------------------------
+def test_cli_errors_are_one_line(capsys, hf_folder):
+    from draftwise.cli import main
+
+    assert main(["serve", "--max-queue", "-1"]) == 2
+    assert "max-queue" in capsys.readouterr().err
+    assert main(["serve", "--target", str(hf_folder), "--method", "ar", "--kv-cache-mb", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert "kv-cache-mb" in err and "Traceback" not in err
+    assert main(["bench-serve", "--target", str(hf_folder), "--method", "ar", "--modes", "fast"]) == 2
+
+
+def test_cli_serve_process(hf_folder):
+    """``draftwise serve`` as a real process: binds 127.0.0.1, wants the API key, stops cleanly on Ctrl-C."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-m", "draftwise.cli", "serve", "--target", str(hf_folder),
+                             "--method", "pld", "--port", str(port), "--max-model-len", "128", "--threads", "1",
+                             "--api-key", "k", "--log-level", "warning"],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.2)
+        body = {"model": str(hf_folder), "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert r.json()["draftwise"]["method"] == "pld"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
