@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode import Decoder, FixedGamma, GammaPolicy
+from .gamma import AdaptiveGamma
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter, check_compatible
 from .drafters.nasd import NASDDrafter
@@ -25,6 +26,7 @@ from .sequence import GenerationStats, Sequence
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 METHODS = ("ar", "draft", "pld", "nasd")
+AUTO_MAX_GAMMA = 8  # the adaptive policy chooses γ in [0, 8] per step
 
 
 @dataclass
@@ -59,6 +61,7 @@ class SpeculativeDecoder:
         self.dtype, self.backend, self.progress = dtype, backend, progress
         self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype, backend, progress)
         self._draft_ref = draft
+        self._auto: dict[str, AdaptiveGamma] = {}  # per method: step costs are learned across requests
         self._draft: LoadedModel | None = draft if isinstance(draft, LoadedModel) else None
         if self._draft is not None:
             self._check_draft(self._draft)
@@ -100,13 +103,28 @@ class SpeculativeDecoder:
             return NASDDrafter(**opts)
         raise InvalidParameterError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
+    def gamma_policy(self, method: str, gamma: int | str | GammaPolicy) -> GammaPolicy:
+        """An int is a fixed γ; "auto" the adaptive policy of this method (its measured step costs are
+        kept across requests, acceptance is tracked per request)."""
+        if isinstance(gamma, bool):
+            raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+        if isinstance(gamma, int):
+            return FixedGamma(gamma)
+        if isinstance(gamma, str):
+            if gamma.strip().isdigit():
+                return FixedGamma(int(gamma))
+            if gamma != "auto":
+                raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+            return self._auto.setdefault(method, AdaptiveGamma(AUTO_MAX_GAMMA))
+        return gamma
+
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
-                 method: str = "draft", gamma: int | GammaPolicy = 4, chat: bool = False,
+                 method: str = "draft", gamma: int | str | GammaPolicy = "auto", chat: bool = False,
                  drafter_options: dict | None = None) -> GenerationResult:
         params = params or SamplingParams()
         ids = list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
             else self.encode(prompt, chat)
-        policy = FixedGamma(gamma) if isinstance(gamma, int) else gamma
+        policy = self.gamma_policy(method, gamma)
         capacity = len(ids) + params.max_tokens + policy.max_gamma + 2
         capacity = min(capacity, self.target.config.max_context + policy.max_gamma + 2)
         drafter = self.make_drafter(method, 1, capacity, **(drafter_options or {}))

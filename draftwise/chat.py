@@ -12,7 +12,7 @@ from .errors import DraftwiseError
 
 HELP = """commands:
   /method NAME     drafting method: {methods}
-  /gamma N         draft tokens per step
+  /gamma N|auto    draft tokens per step (auto: adaptive)
   /temp T          temperature (0 = greedy)    /top_p P   /top_k K   /seed S   /max N
   /chat            toggle the chat template (on by default)
   /color           toggle the coloured display of accepted / corrected / bonus tokens
@@ -61,8 +61,10 @@ class ChatSession:
             else:
                 self.method = arg
         elif cmd == "/gamma":
-            if arg is None or not arg.isdigit() or int(arg) < 1:
-                self.console.print("gamma must be an integer >= 1")
+            if arg == "auto":
+                self.gamma = arg
+            elif arg is None or not arg.isdigit() or int(arg) < 1:
+                self.console.print("gamma must be an integer >= 1 or auto")
             else:
                 self.gamma = int(arg)
         elif cmd in setters:

@@ -20,11 +20,13 @@ LEGEND = "  ([green]accepted draft[/] [bold red]corrected[/] [bold blue]bonus[/]
 COLOURS = {"plain": "", "accepted": "green", "recovered": "bold red", "bonus": "bold blue"}
 
 
-def _gamma(s: str) -> int:
+def _gamma(s: str) -> int | str:
+    if s == "auto":
+        return s
     try:
         g = int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"gamma must be an integer >= 1, got {s!r}") from None
+        raise argparse.ArgumentTypeError(f"gamma must be an integer >= 1 or 'auto', got {s!r}") from None
     if g < 1:
         raise argparse.ArgumentTypeError(f"gamma must be >= 1, got {g}")
     return g
@@ -44,7 +46,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="draft", choices=METHODS, help="drafting method (default draft)")
-    p.add_argument("--gamma", type=_gamma, default=4, help="draft tokens per step (default 4)")
+    p.add_argument("--gamma", type=_gamma, default="auto",
+                   help="draft tokens per step, or auto (default): chosen each step from the measured cost of "
+                        "verifying k tokens and the running acceptance")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)

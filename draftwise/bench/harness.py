@@ -60,9 +60,9 @@ def parse_gamma(s: str | int) -> int | str:
 class BenchConfig:
     target: str = DEFAULT_TARGET
     draft: str | None = DEFAULT_DRAFT
-    dtype: str = "bf16"
+    dtype: str = "auto"
     backend: str = "native"
-    gamma: int | str = 4
+    gamma: int | str = "auto"
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     prompts: str | None = None  # None: Spec-Bench next to the repository
     categories: list[str] | None = None
@@ -104,14 +104,14 @@ class Runner:
         self.dw = SpeculativeDecoder(cfg.target, cfg.draft, dtype=cfg.dtype, backend=cfg.backend, progress=progress)
         self.peers = None
         if peers:  # loaded once, only when asked for
-            from ..models import parse_dtype
+            from ..models import peer_dtype
             from .peers import HFPeers
 
             if progress:
                 print("draftwise bench: loading the HF peers' models with transformers ...", file=sys.stderr)
             self.peers = HFPeers(resolve(cfg.target, progress),
                                  resolve(cfg.draft, progress) if "hf-assisted" in peers and cfg.draft else None,
-                                 parse_dtype(cfg.dtype), peers, cfg.gamma, self.dw.tokenizer.eos_ids)
+                                 peer_dtype(self.dw.target.weights), peers, cfg.gamma, self.dw.tokenizer.eos_ids)
 
     def encode(self, p: Prompt) -> list[int]:
         return self.dw.encode(p.text, chat=self.cfg.chat)
@@ -239,7 +239,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated, from {', '.join(all_methods())}, or all (default {','.join(METHODS)}); "
                         "ar is always run as the reference")
-    p.add_argument("--gamma", default="4", help="draft tokens per step: an integer, or a policy name (default 4)")
+    p.add_argument("--gamma", default="auto", help="draft tokens per step: an integer, or auto (default)")
     p.add_argument("--prompts", default=None, help="Spec-Bench-shaped JSONL (question_id, category, turns); "
                                                    "default ../shared/data/spec_bench/question.jsonl")
     p.add_argument("--categories", default=None, help="comma-separated categories (e.g. mt_bench,math_reasoning)")

@@ -53,6 +53,12 @@ def resolve_weights(weights: str | torch.dtype, src: Path | str, backend: str) -
     return weights
 
 
+def peer_dtype(weights: str) -> torch.dtype:
+    """The dtype to run transformers in beside a draftwise model of this weight format: the same dense
+    dtype, or bf16 (transformers' fastest CPU path for a GGUF file) when draftwise runs quantized."""
+    return DENSE.get(weights, torch.bfloat16)
+
+
 def _quantize_linears(sd: dict[str, torch.Tensor], bits: int) -> dict[str, torch.Tensor]:
     """Round-to-nearest groupwise quantization of every projection matrix (not embeddings, not norms)."""
     from ..kernels import quantize_rtn
@@ -123,4 +129,4 @@ def _snapshot(repo_id: str) -> Path:
 
 
 __all__ = ["CausalLM", "KVCache", "LoadedModel", "MODELS", "ModelConfig", "ModelOutput", "Tokenizer",
-           "WEIGHT_FORMATS", "load_model", "resolve_weights"]
+           "WEIGHT_FORMATS", "load_model", "peer_dtype", "resolve_weights"]
