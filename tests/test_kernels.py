@@ -79,3 +79,16 @@ def test_gguf_blocks_decode_exactly(qtype, block_bytes, per_block, d_offsets):
 
 def test_unsupported_format_returns_none():
     assert parse(np.zeros((2, 8), dtype=np.uint8), "F16", (2, 4)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dense_weights_through_kernel_are_exact_and_invariant(dtype):
+    """Dense bf16/fp32 weights: fp32 accumulation of the exact weights, row-invariant (torch's own bf16
+    matmul is not, for some shapes: K = 8960 on this CPU)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 8960, generator=g).to(dtype)
+    lin = QLinear.dense(w, bias=torch.randn(48, generator=g))
+    x = torch.randn(6, 8960, generator=g)
+    full = lin(x)
+    torch.testing.assert_close(full, x.double().matmul(w.double().t()).float() + lin.bias, atol=2e-3, rtol=1e-4)
+    assert all(torch.equal(full[i:i + 1], lin(x[i:i + 1])) for i in range(6))

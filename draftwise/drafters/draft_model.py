@@ -46,9 +46,8 @@ class DraftModelDrafter:
         for i, p in enumerate(pending):
             x[i, :len(p)] = torch.tensor(p)
         cache.set_lengths([s.drafter_state for s in seqs])
-        logits = self.model.forward(x, cache, logits_for="all" if P > 1 else "last").logits  # (B, P|1, V)
-        last = torch.tensor([len(p) - 1 for p in pending]) if P > 1 else torch.zeros(B, dtype=torch.long)
-        step_logits = logits[torch.arange(B), last]  # (B, V)
+        last = torch.tensor([len(p) - 1 for p in pending])  # (B,) each row's last real token
+        step_logits = self.model.forward(x, cache, logits_for=last).logits[:, 0]  # (B, V)
         cache.set_lengths([len(s.tokens) for s in seqs])
         # 2) draft K tokens autoregressively
         tokens = torch.zeros(B, K, dtype=torch.long)

@@ -1,4 +1,5 @@
-"""Weight-only quantized linear layers for CPU decoding (int8 / int4 groupwise, fp32 activations).
+"""Weight-only quantized linear layers for CPU decoding (int8 / int4 groupwise, or dense bf16 / fp32;
+fp32 activations and accumulation; batch-invariant).
 
 The C++ kernel (qmm.cpp) is compiled on first use with torch's extension builder (-O3 -march=native,
 cached under ~/.cache/torch_extensions). Where it cannot be built, a pure-torch path computes the same
@@ -46,6 +47,8 @@ def extension():
 def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int) -> torch.Tensor:
     """(N, K) float32 weights from the packed code (the reference the kernel is tested against)."""
     N = q.shape[0]
+    if bits in (16, 32):  # dense bf16 / fp32
+        return q.float()
     if bits == 4:
         b = q.view(N, -1, 16)  # (N, K/32, 16)
         vals = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(N, -1).float()  # (N, K)
@@ -67,11 +70,17 @@ class QLinear(nn.Module):
         self.bits, self.group = bits, group
         self.in_features = q.shape[1] * (2 if bits == 4 else 1)
         self.out_features = q.shape[0]
-        self.register_buffer("q", q.contiguous())  # (N, K) int8 | (N, K/2) uint8
+        self.register_buffer("q", q.contiguous())  # (N, K) int8 | (N, K/2) uint8 | (N, K) bf16 / fp32
         self.register_buffer("scale", scale.float().contiguous())  # (N, K/G)
         self.register_buffer("minv", (minv if minv is not None else torch.empty(0)).float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self._dense: torch.Tensor | None = None  # fallback only
+
+    @classmethod
+    def dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "QLinear":
+        """Dense bf16 or fp32 weights through the same batch-invariant kernel (one group per row)."""
+        bits = {torch.bfloat16: 16, torch.float32: 32}[weight.dtype]
+        return cls(weight.contiguous(), torch.ones(weight.shape[0], 1), None, weight.shape[1], bits, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -88,7 +97,8 @@ class QLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int{self.bits}, group={self.group}"
+        fmt = {16: "bf16", 32: "fp32"}.get(self.bits, f"int{self.bits}, group={self.group}")
+        return f"in={self.in_features}, out={self.out_features}, {fmt}"
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -1,4 +1,6 @@
 // Weight-only quantized matrix multiply for CPU decoding: out = x @ dequant(W)^T.
+// Also dense bf16 (bits = 16) and fp32 (bits = 32) weights, one group per row with scale 1, so that every
+// weight format gets the same batch-invariant computation.
 //
 // W is stored per output row n as groups of G consecutive input weights with an affine code
 //   w[n, k] = scale[n, g] * q[n, k] - minv[n, g],   g = k / G
@@ -12,6 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cstring>
 
 namespace {
 
@@ -30,7 +33,14 @@ inline void row_kernel(const float* __restrict x, int64_t K, const uint8_t* __re
     __m512 part[MB];
     for (int i = 0; i < MB; ++i) part[i] = _mm512_setzero_ps();
     const int64_t k0 = g * G;
-    if (BITS == 8) {
+    if (BITS == 32 || BITS == 16) {  // dense fp32 / bf16 weights (bf16 -> fp32 is a 16-bit shift: exact)
+      for (int64_t k = k0; k < k0 + G; k += 16) {
+        __m512 w = BITS == 32 ? _mm512_loadu_ps((const float*)qn + k)
+                              : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_loadu_si256((const __m256i*)((const uint16_t*)qn + k))), 16));
+        for (int i = 0; i < MB; ++i) part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k), w, part[i]);
+      }
+    } else if (BITS == 8) {
       for (int64_t k = k0; k < k0 + G; k += 16) {
         __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qn + k))));
         for (int i = 0; i < MB; ++i) part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k), w, part[i]);
@@ -57,10 +67,12 @@ inline void row_kernel(const float* __restrict x, int64_t K, const uint8_t* __re
     for (int64_t g = 0; g < ng; ++g) {
       float part = 0.f;
       for (int64_t k = g * G; k < (g + 1) * G; ++k) {
-        int q;
-        if (BITS == 8) q = (int8_t)qn[k];
-        else { int64_t j = k % 32, base = (k / 32) * 16; q = j < 16 ? (qn[base + j] & 15) : (qn[base + j - 16] >> 4); }
-        part += x[i * K + k] * (float)q;
+        float q;
+        if (BITS == 32) q = ((const float*)qn)[k];
+        else if (BITS == 16) { uint32_t u = (uint32_t)((const uint16_t*)qn)[k] << 16; std::memcpy(&q, &u, 4); }
+        else if (BITS == 8) q = (float)(int8_t)qn[k];
+        else { int64_t j = k % 32, base = (k / 32) * 16; q = (float)(j < 16 ? (qn[base + j] & 15) : (qn[base + j - 16] >> 4)); }
+        part += x[i * K + k] * q;
       }
       acc += part * sn[g];
       if (mn) corr += mn[g] * xs[i * ng + g];
@@ -91,10 +103,11 @@ void dispatch_rows(int mb, const float* x, int64_t K, const uint8_t* qn, const f
 torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minv, int64_t G,
                   int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: (M, K) f32");
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == 16 || bits == 32, "bits must be 4, 8, 16 (bf16) or 32 (fp32)");
+  TORCH_CHECK(q.is_contiguous() && scale.is_contiguous(), "q and scale must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(K % G == 0 && G % (bits == 8 ? 16 : 32) == 0, "bad group size");
-  TORCH_CHECK(q.size(1) == (bits == 8 ? K : K / 2), "q shape does not match K");
+  TORCH_CHECK(K % G == 0 && G % (bits == 4 ? 32 : 16) == 0, "bad group size");
+  TORCH_CHECK(q.size(1) * q.element_size() * 8 == K * bits, "q shape does not match K");
   TORCH_CHECK(scale.size(0) == N && scale.size(1) == K / G, "scale shape");
   const bool has_min = minv.numel() > 0;
   auto out = torch::empty({M, N}, x.options());
@@ -114,17 +127,22 @@ torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::
   const float* mp = has_min ? minv.data_ptr<float>() : nullptr;
   const float* xsp = has_min ? xs.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t qrow = bits == 8 ? K : K / 2, ng = K / G;
+  const int64_t qrow = K * bits / 8, ng = K / G;  // bytes per weight row
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
         const int mb = (int)std::min<int64_t>(MB_MAX, M - m0);
         const float* mn = mp ? mp + n * ng : nullptr;
         const float* xsm = xsp ? xsp + m0 * ng : nullptr;
-        if (bits == 8)
-          dispatch_rows<8>(mb, xp + m0 * K, K, qp + n * qrow, sp + n * ng, mn, xsm, G, op + m0 * N + n, N);
-        else
-          dispatch_rows<4>(mb, xp + m0 * K, K, qp + n * qrow, sp + n * ng, mn, xsm, G, op + m0 * N + n, N);
+        const uint8_t* qn = qp + n * qrow;
+        const float* sn = sp + n * ng;
+        float* on = op + m0 * N + n;
+        switch (bits) {
+          case 4: dispatch_rows<4>(mb, xp + m0 * K, K, qn, sn, mn, xsm, G, on, N); break;
+          case 8: dispatch_rows<8>(mb, xp + m0 * K, K, qn, sn, mn, xsm, G, on, N); break;
+          case 16: dispatch_rows<16>(mb, xp + m0 * K, K, qn, sn, mn, xsm, G, on, N); break;
+          default: dispatch_rows<32>(mb, xp + m0 * K, K, qn, sn, mn, xsm, G, on, N); break;
+        }
       }
     }
   });

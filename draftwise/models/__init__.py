@@ -80,7 +80,8 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: st
     """Load a model by name (see ``MODELS``), GGUF path, HF folder or HF hub id.
 
     ``dtype`` is the weight format: auto | gguf | int8 | int4 | bf16 | fp32 (see ``resolve_weights``).
-    Quantized formats compute in fp32 with the int4/int8 kernel; bf16 computes in bf16.
+    Every format computes in fp32 through draftwise's batch-invariant kernel (weights stay in their
+    format: int4 / int8 codes, bf16, fp32); without a C++ compiler, dense formats fall back to torch.
     """
     from transformers import AutoTokenizer
 
@@ -90,6 +91,12 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: st
     src = resolve(name_or_path, progress)
     weights = resolve_weights(dtype, src, backend)
     compute = DENSE.get(weights, torch.float32)
+    storage = None  # dense weights run by the batch-invariant kernel, in this dtype
+    if backend == "native" and weights in DENSE:
+        from ..kernels import extension
+
+        if extension() is not None:
+            compute, storage = torch.float32, DENSE[weights]
     if backend == "hf":
         from .hf import load_hf
 
@@ -100,14 +107,14 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: st
 
     if isinstance(src, str):  # hub id: download the folder (needs the hub)
         src = _snapshot(src)
-    dense = torch.float32 if weights in ("int8", "int4") else compute
+    dense = torch.float32 if weights in ("int8", "int4") else (storage or compute)
     if src.is_file():
         cfg, sd, tok_dir = load_gguf(src, "gguf" if weights == "gguf" else dense, progress)
     else:
         cfg, sd, tok_dir = hf_folder_config(src), hf_folder_state_dict(src), src
     if weights in ("int8", "int4"):
         sd = _quantize_linears(sd, 8 if weights == "int8" else 4)
-    model = from_state_dict(cfg, sd, compute)
+    model = from_state_dict(cfg, sd, compute, storage)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     return LoadedModel(name_or_path, model, Tokenizer.from_hf(tok), time.perf_counter() - t0, weights)
 

@@ -42,11 +42,11 @@ class ModelConfig:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # (B, T', V) float32, T' = T or 1 (logits_for="last")
+    logits: torch.Tensor  # (B, T', V) float32, T' = T, or 1 (logits_for="last" or per-row positions)
     hidden: torch.Tensor  # (B, T', D) final hidden states (after the last norm), same positions
 
 
-LogitsFor = Literal["all", "last"]
+LogitsFor = Literal["all", "last"] | torch.Tensor  # or (B,) int64: one position per row
 
 
 class KVCache:

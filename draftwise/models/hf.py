@@ -73,13 +73,17 @@ class HFCausalLM:
         start = cache.length()
         if positions is None:
             positions = start + torch.arange(T)[None].expand(B, T)
+        last = isinstance(logits_for, str) and logits_for == "last"
         out = self.hf(input_ids=input_ids, past_key_values=cache.hf, position_ids=positions, use_cache=True,
-                      output_hidden_states=True, logits_to_keep=1 if logits_for == "last" else 0)
+                      output_hidden_states=True, logits_to_keep=1 if last else 0)
         cache.lengths[0] = start + T
-        hidden = out.hidden_states[-1]
-        if logits_for == "last":
+        logits, hidden = out.logits.float(), out.hidden_states[-1]
+        if isinstance(logits_for, torch.Tensor):
+            rows = torch.arange(B)
+            logits, hidden = logits[rows, logits_for].unsqueeze(1), hidden[rows, logits_for].unsqueeze(1)
+        elif last:
             hidden = hidden[:, -1:]
-        return ModelOutput(logits=out.logits.float(), hidden=hidden)
+        return ModelOutput(logits=logits, hidden=hidden)
 
 
 def load_hf(src: Path | str, dtype: torch.dtype):

@@ -157,7 +157,9 @@ class Transformer(nn.Module):
             h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, attn_mask)
             h = h + layer.mlp(layer.mlp_norm(h))
         cache.lengths[:B] += T
-        if logits_for == "last":
+        if isinstance(logits_for, torch.Tensor):  # one position per row
+            h = h[torch.arange(B), logits_for].unsqueeze(1)
+        elif logits_for == "last":
             h = h[:, -1:]
         h = self.norm(h)  # (B, T', D)
         return ModelOutput(logits=self.lm_head(h).float(), hidden=h)
@@ -175,14 +177,18 @@ class Concat(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-def _linear(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype, bias: str | None = None) -> nn.Module:
-    """A dense nn.Linear, or a QLinear when the weight is stored as a quantized code."""
+def _linear(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype, bias: str | None = None,
+            storage: torch.dtype | None = None) -> nn.Module:
+    """A QLinear when the weight is a quantized code, or when ``storage`` asks for dense weights in that
+    dtype run by the batch-invariant kernel; else a plain nn.Linear in ``dtype``."""
+    from ..kernels import QLinear
+
     b = sd.get(bias) if bias else None
     if name + ".q" in sd:
-        from ..kernels import QLinear
-
         group, bits = (int(v) for v in sd[name + ".qmeta"])
         return QLinear(sd[name + ".q"], sd[name + ".scale"], sd.get(name + ".minv"), group, bits, b)
+    if storage is not None and sd[name].shape[1] % 16 == 0:
+        return QLinear.dense(sd[name].to(storage), b)
     w = sd[name].to(dtype)
     lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
     lin.weight = nn.Parameter(w, requires_grad=False)
@@ -197,7 +203,7 @@ def _fuse(parts: list[nn.Module]) -> nn.Module:
 
     def key(m):
         if isinstance(m, QLinear):
-            return ("q", m.group, m.bits, m.minv.numel() > 0, m.bias is not None)
+            return ("q", m.group if m.bits < 16 else 0, m.bits, m.minv.numel() > 0, m.bias is not None)
         return ("dense", m.weight.dtype, m.bias is not None)
 
     merged: list[nn.Module] = []
@@ -229,15 +235,18 @@ def _embedding_weight(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype
     return sd[name].to(dtype)
 
 
-def from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
-    """Build a Transformer from HF-named tensors (dense or quantized codes), fusing q/k/v and gate/up."""
+def from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype,
+                    storage: torch.dtype | None = None) -> Transformer:
+    """Build a Transformer from HF-named tensors (dense or quantized codes), fusing q/k/v and gate/up.
+    ``dtype`` is the compute dtype; ``storage`` (bf16 / fp32) runs dense projections through the kernel."""
     with torch.device("meta"):
         model = Transformer(cfg, dtype)
     emb = "model.embed_tokens.weight"
     model.embed = nn.Embedding.from_pretrained(_embedding_weight(sd, emb, dtype), freeze=True)
     model.norm.weight = nn.Parameter(sd["model.norm.weight"].to(dtype), requires_grad=False)
     head = "lm_head.weight" if ("lm_head.weight" in sd or "lm_head.weight.q" in sd) else emb
-    model.lm_head = _linear(sd, head, dtype) if head != emb or emb + ".q" in sd else None
+    model.lm_head = _linear(sd, head, dtype, storage=storage) if head != emb or emb + ".q" in sd or storage \
+        else None
     if model.lm_head is None:  # tied, dense: share the table
         model.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
         model.lm_head.weight = model.embed.weight
@@ -245,12 +254,12 @@ def from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.
         p = f"model.layers.{i}."
         layer.attn_norm.weight = nn.Parameter(sd[p + "input_layernorm.weight"].to(dtype), requires_grad=False)
         layer.mlp_norm.weight = nn.Parameter(sd[p + "post_attention_layernorm.weight"].to(dtype), requires_grad=False)
-        layer.attn.qkv = _fuse([_linear(sd, p + f"self_attn.{n}_proj.weight", dtype,
-                                        p + f"self_attn.{n}_proj.bias" if cfg.qkv_bias else None) for n in "qkv"])
-        layer.attn.o = _linear(sd, p + "self_attn.o_proj.weight", dtype)
-        layer.mlp.gate_up = _fuse([_linear(sd, p + "mlp.gate_proj.weight", dtype),
-                                   _linear(sd, p + "mlp.up_proj.weight", dtype)])
-        layer.mlp.down = _linear(sd, p + "mlp.down_proj.weight", dtype)
+        lin = lambda n, b=None: _linear(sd, p + n, dtype, b, storage)  # noqa: E731
+        layer.attn.qkv = _fuse([lin(f"self_attn.{n}_proj.weight", p + f"self_attn.{n}_proj.bias" if cfg.qkv_bias
+                                    else None) for n in "qkv"])
+        layer.attn.o = lin("self_attn.o_proj.weight")
+        layer.mlp.gate_up = _fuse([lin("mlp.gate_proj.weight"), lin("mlp.up_proj.weight")])
+        layer.mlp.down = lin("mlp.down_proj.weight")
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_meta:
