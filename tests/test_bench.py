@@ -45,7 +45,7 @@ def prompts_file(tmp_path) -> Path:
 # ---- prompts -------------------------------------------------------------------------------------------
 def test_prompts_first_turn_tasks_and_limit(prompts_file):
     ps = read_jsonl(prompts_file)
-    assert [p.text for p in ps][0] == "hello world, the quick"  # first turn only
+    assert ps[0].text == "hello world, the quick"  # first turn only
     assert [p.category for p in ps] == ["mt_bench", "mt_bench", "qa", "qa", "translation"]
     assert ps[1].subcategory == "coding"
     assert [p.question_id for p in select(ps, ["mt_bench", "translation"])] == [1, 2, 5]
@@ -177,10 +177,10 @@ def test_measure_bandwidth_is_positive():
 def check_outputs(out: Path, methods: list[str]) -> dict:
     res = json.loads((out / "results.json").read_text())
     assert list(res["methods"]) == methods
-    for m, s in res["methods"].items():
+    for s in res["methods"].values():
         assert SHAPE_KEYS <= set(s) and isinstance(s["mismatches"], int)
         assert isinstance(s["tokens_per_s"], float) and isinstance(s["mean_accepted_length"], float)
-        for c, sc in s["by_category"].items():
+        for sc in s["by_category"].values():
             assert SHAPE_KEYS <= set(sc)
     assert res["methods"]["ar"]["acceptance_rate"] is None and res["methods"]["ar"]["speedup_vs_ar"] == 1.0
     assert res["config"]["methods"] == methods

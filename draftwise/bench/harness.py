@@ -166,7 +166,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
     cfg.gamma = parse_gamma(cfg.gamma)
     methods = cfg.methods = parse_methods(",".join(cfg.methods))
     path, prompts = load_prompts(cfg.prompts, cfg.categories, cfg.limit)  # fail before loading models
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
     log(f"loading models for {', '.join(methods)} ...")
     runner = Runner(cfg, progress)
@@ -176,7 +176,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
         ids = runner.encode(p)
         if len(ids) + cfg.max_tokens > max_context:
             skipped.append({"question_id": p.question_id, "category": p.category,
-                            "reason": f"prompt {len(ids)} + max_tokens {cfg.max_tokens} tokens > context {max_context}"})
+                            "reason": f"prompt {len(ids)} + max_tokens {cfg.max_tokens} tokens > context "
+                                      f"{max_context}"})
         else:
             work.append((p, ids))
     if not work:
@@ -296,7 +297,8 @@ def summary(results: dict, console) -> None:
     rf = results.get("roofline")
     if rf:
         console.print(f"roofline: {rf['bandwidth_gb_s']:.1f} GB/s ÷ {rf['weight_bytes_per_token'] / 1e9:.3f} GB/token "
-                      f"= {report._f(rf['max_tokens_per_s'])} tok/s; ar at {report._f(rf['ar_percent_of_bound'], '.0f')}%")
+                      f"= {report._f(rf['max_tokens_per_s'])} tok/s; "
+                      f"ar at {report._f(rf['ar_percent_of_bound'], '.0f')}%")
 
 
 __all__ = ["BenchConfig", "add_arguments", "cmd_bench", "parse_gamma", "parse_methods", "run_bench"]

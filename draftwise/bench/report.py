@@ -119,7 +119,8 @@ def markdown(results: dict) -> str:
     has_hf = HF_REFERENCE in ms
     parts = [f"# draftwise bench\n\n"
              f"target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, γ={cfg['gamma']}, "
-             f"max_tokens={cfg['max_tokens']}, {'greedy' if not cfg['temperature'] else 'T=' + str(cfg['temperature'])}, "
+             f"max_tokens={cfg['max_tokens']}, "
+             f"{'greedy' if not cfg['temperature'] else 'T=' + str(cfg['temperature'])}, "
              f"chat={cfg['chat']}, {cfg['n_prompts']} prompts ({', '.join(cats)}) from `{cfg['prompts']}`, "
              f"{cfg['threads']} threads, torch {cfg['versions']['torch']}, transformers "
              f"{cfg['versions']['transformers']}. Warm-up excluded; methods interleaved per prompt."
@@ -152,9 +153,10 @@ def markdown(results: dict) -> str:
              f"({rf['weight_elements_per_token'] / 1e6:,.1f} M elements; "
              + ", ".join(f"{k} {_bytes(v)}" for k, v in rf["bytes_by_dtype"].items()) + ")"],
             ["batch-1 bound", f"{_f(rf['max_tokens_per_s'])} tok/s"],
-            ["`ar` measured", f"{_f(rf['ar_tokens_per_s'])} tok/s = {_f(rf['ar_percent_of_bound'], '.0f')}% "
-             "of the bound"]]) + "\n\nBytes per token count every parameter and buffer but the input "
-                                "embedding (the KV cache read is not included).")
+            ["`ar` measured",
+             f"{_f(rf['ar_tokens_per_s'])} tok/s = {_f(rf['ar_percent_of_bound'], '.0f')}% of the bound"]])
+            + "\n\nBytes per token count every parameter and buffer but the input embedding (the KV cache "
+              "read is not included).")
     mm = results["mismatches"]
     own = [m for m in mm if not m["method"].startswith("hf-")]
     hf = [m for m in mm if m["method"].startswith("hf-")]
