@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
+
 import sys
 
 from rich.console import Console
@@ -40,7 +42,7 @@ class ChatSession:
                                chat=self.chat)
         if show:
             render(res, self.dw.tokenizer, self.console, colour=self.colour)
-            self.console.print(f"[dim]{summary_line(res)}[/]{LEGEND if self.colour else ''}")
+            self.console.print(f"[dim]{escape(summary_line(res))}[/]{LEGEND if self.colour else ''}")
         self.last = res
         return res
 

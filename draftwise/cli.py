@@ -124,6 +124,7 @@ def _setup_threads(args) -> None:
 
 def cmd_generate(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     params = _params(args)  # validate before loading anything
     if not args.prompt:
@@ -139,7 +140,7 @@ def cmd_generate(args) -> int:
         return 0
     console = Console(no_color=args.no_color, highlight=False)
     render(result, dw.tokenizer, console, colour=not args.no_color)
-    console.print(f"[dim]{summary_line(result)}[/]{'' if args.no_color else LEGEND}")
+    console.print(f"[dim]{escape(summary_line(result))}[/]{'' if args.no_color else LEGEND}")
     return 0
 
 
