@@ -43,13 +43,16 @@ class AdaptiveGamma:
     """A ``GammaPolicy`` choosing γ in [0, max_gamma] from measured step costs and acceptance rates.
 
     ``cap(seq)`` optionally bounds a row's draft length (a request that asked for a smaller γ, or none);
-    the policy counts only the drafts each row will really make. ``last`` is the γ of the latest step
+    the policy counts only the drafts each row will really make. ``ready(seqs)`` optionally says whether
+    the drafter can draft for this batch at all (a server that switched its draft model off); when not,
+    γ is 0 but ``best`` still tells what the model would choose. ``last`` is the γ of the latest step
     (after caps), ``predicted`` the tokens/s it expected.
     """
 
     def __init__(self, max_gamma: int = 4, *, explore_every: int = 16, decay: float = 0.99,
                  prior_alpha: float = 0.6, prior_weight: float = 8.0,
-                 cap: Callable[[Sequence], int | None] | None = None):
+                 cap: Callable[[Sequence], int | None] | None = None,
+                 ready: Callable[[list[Sequence]], bool] | None = None):
         if not isinstance(max_gamma, int) or max_gamma < 1:
             raise InvalidParameterError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
         if not 0.0 < decay <= 1.0:
@@ -59,6 +62,7 @@ class AdaptiveGamma:
         self.decay = decay
         self.prior_weight = prior_weight
         self.cap = cap
+        self.ready = ready
         # decayed least-squares sums for cost = θ·φ, φ = [1, B, k, B·k]
         self._A = np.zeros((4, 4))  # Σ w φφᵀ
         self._b = np.zeros(4)  # Σ w φ·seconds
@@ -69,6 +73,7 @@ class AdaptiveGamma:
         self._explore_next = 0
         self._pending: list[tuple[Sequence, int]] = []  # (row, drafts asked of it) of the current step
         self.last = max_gamma
+        self.best = max_gamma  # the γ the model finds best for the latest batch (before exploring)
         self.predicted = 0.0
 
     # ---- GammaPolicy -----------------------------------------------------------------------------
@@ -79,9 +84,11 @@ class AdaptiveGamma:
         alphas = [self._row_alpha(s) for s in seqs]
         limits = [self._row_limit(s) for s in seqs]
         rates = [self._rate(B, k, alphas, limits) for k in range(self.max_gamma + 1)]
-        best = int(np.argmax(rates))
+        best = self.best = int(np.argmax(rates))
         k = best
-        if self.explore_every and self._steps % self.explore_every == 0:
+        if self.ready is not None and not self.ready(seqs):  # the drafter cannot draft for this batch now
+            k = 0
+        elif self.explore_every and self._steps % self.explore_every == 0:
             # a neighbour of the best: measures the cost slope in k where it matters, at a small price
             near = [j for j in (best + 1, best - 1) if 0 <= j <= self.max_gamma]
             k = near[self._explore_next % len(near)]

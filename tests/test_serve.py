@@ -211,6 +211,57 @@ def test_drafter_kept_in_step_while_no_row_drafts(tiny_dw):
         engine.stop()
 
 
+class StubPolicy:
+    """Says what γ is best (set by the test); drafts it when the batch can."""
+
+    max_gamma = 3
+
+    def __init__(self, ready):
+        self.best, self.ready = 0, ready
+
+    def choose(self, seqs):
+        return self.best if self.ready(seqs) else 0
+
+    def observe(self, k, accepted, step_s):
+        pass
+
+
+def test_draft_model_switched_off_and_on(tiny_dw):
+    """When the policy keeps finding speculation not worth it, the draft model is switched off (rows lose
+    their draft state, new rows get none); when it would pay again, rows admitted get draft state and the
+    batch drafts once all rows have it. Outputs stay exact throughout."""
+    from draftwise.serve.engine import DETACH_AFTER_STEPS
+
+    engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, max_model_len=200, max_batch=2))
+    stub = StubPolicy(lambda seqs: engine.drafter.ready(seqs))
+    engine.policy = engine.decoder.gamma = stub
+    a = engine.new_sequence([3, 4, 5], SamplingParams(max_tokens=70, ignore_eos=True))
+    b = engine.new_sequence([9, 8], SamplingParams(max_tokens=120, ignore_eos=True))
+    sinks = [queue.Queue(), queue.Queue()]
+    engine.start()
+    try:
+        engine.submit("a", [a], sinks[0].put)
+        deadline = time.monotonic() + 30
+        while engine.speculation_on and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert not engine.speculation_on and not a.attached and a.drafter_state is None
+        assert a.num_output >= DETACH_AFTER_STEPS and a.stats.drafted == 0
+        stub.best = 3  # speculation would pay again
+        while not engine.speculation_on:
+            time.sleep(0.002)
+        engine.submit("b", [b], sinks[1].put)
+        for q in sinks:
+            while q.get(timeout=60).finish_reason is None:
+                pass
+        assert b.stats.drafted > 0 and a.stats.drafted == 0  # b drafted once a (no draft state) had left
+        for seq in (a, b):
+            assert seq.output_ids == reference(tiny_dw, seq.prompt_ids, seq.params.max_tokens)
+        text = engine.metrics.render().decode()
+        assert "draftwise_speculation_on 1.0" in text
+    finally:
+        engine.stop()
+
+
 def test_queue_bound_refuses(tiny_dw):
     engine = Engine(tiny_dw, EngineConfig(method="ar", max_model_len=64, max_batch=2, max_queue=1))
     p = SamplingParams(max_tokens=4)
