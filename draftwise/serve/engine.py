@@ -18,6 +18,11 @@ Memory: the KV caches of target and draft model are allocated once at start, ``r
 ``max_model_len`` (+ draft headroom) tokens each, ``rows`` chosen to fit ``kv_cache_mb``. When every row
 is busy requests wait; when ``max_queue`` are waiting ``submit`` refuses (``EngineFullError``, HTTP 503).
 Nothing grows with load, so load cannot exhaust memory.
+
+Speculation: the drafter is wrapped in a ``ServeDrafter`` (per-request γ caps; plain-decoding requests in
+the same batch). With the adaptive policy (``draftwise/gamma.py``) γ shrinks as the batch grows; when
+speculation has not paid for a while the draft model is switched off entirely (it idles instead of
+keeping its cache in step) and back on for new requests when the policy finds it would pay again.
 """
 
 from __future__ import annotations
@@ -103,7 +108,6 @@ class EngineRequest:
     sink: Callable[[object], None]
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-    cancelled: bool = False
 
 
 class ServeDrafter:
