@@ -1,23 +1,26 @@
 """Adaptive draft length: pick γ (0 = speculation off) to maximise expected tokens per second.
 
-A step that drafts k tokens for each of B rows costs one target pass over B·(k+1) tokens plus k draft
-passes over B rows. Verification is nearly free while the target pass is bound by reading its weights
+A step that drafts k tokens for each of B rows costs one target pass over B·(k+1) tokens plus the
+drafter's work. Verification is nearly free while the target pass is bound by reading its weights
 (small B·(k+1)); once the batch is large it is bound by compute and every drafted token costs about as
 much as a generated one, so speculation stops paying. This policy measures that instead of guessing:
 
     cost(B, k)   = θ · [1, B, k, B·k]  seconds — fitted online by decayed least squares on observed steps
-    tokens(B, k) = Σ_rows E(k_i; α_i),  E(k; α) = 1 + α + … + α^k = (1 − α^(k+1)) / (1 − α)
+    tokens(B, k) = Σ_rows 1 + A(k_i)   expected tokens the step emits (the target's own token + accepted)
+    A(j)         = π · (α + α² + … + α^j)
     γ            = argmax_k tokens(B, k) / cost(B, k)
 
-where k_i is k clipped to the row's cap and remaining budget and α_i the row's per-token acceptance
-probability so far, shrunk towards the running global one (a new row has not drafted yet). α is estimated
-as accepted / tried, a draft position being tried when all before it were accepted — not accepted /
-drafted, which undercounts α for k > 1 (drafts after a rejection are never tried). A position the
-drafter left empty (prompt lookup found no match) counts as a failed try, so α also prices in how often
-a drafter has nothing to propose. Every ``explore_every``-th step
-tries a neighbour of the best k (alternately above and below) so the cost slope stays measured as the
-batch changes. Works
-with any drafter and in any Decoder (the server uses it; ``generate(gamma=AdaptiveGamma(4))`` too).
+k_i is k clipped to the row's cap and remaining budget. π is how often the drafter proposes anything
+when asked (1 for a draft model; prompt lookup and NASD find no match at times) and α the probability a
+draft position is accepted given the drafter proposed and all earlier positions were accepted: accepted
+/ tried (accepted / drafted would undercount it for j > 1; a position left empty counts as a failed
+try). Both are decayed running estimates pooled over all rows and draft lengths, so they are usable
+after a few steps. Without π, a drafter whose proposals are all-or-nothing (a long, likely run or
+nothing) would look like one with a low α and never get to draft.
+
+Every ``explore_every``-th step tries a neighbour of the best k (alternately above and below) so the cost
+slope and A stay measured as the batch changes. Works with any drafter and any Decoder (the server uses
+it; ``SpeculativeDecoder.generate(gamma=AdaptiveGamma(4))`` too).
 """
 
 from __future__ import annotations
@@ -30,26 +33,25 @@ from .errors import InvalidParameterError
 from .sequence import Sequence
 
 
-def expected_tokens(k: int, alpha: float) -> float:
-    """Expected tokens one verification emits (accepted drafts + the target's own token), i.i.d. acceptance."""
-    if k <= 0:
-        return 1.0
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_accepted(j: int, alpha: float) -> float:
+    """α + α² + … + α^j: drafts accepted out of j under i.i.d. acceptance (the bonus token not counted)."""
+    return sum(alpha ** i for i in range(1, j + 1))
 
 
 class AdaptiveGamma:
-    """A ``GammaPolicy`` choosing γ in [0, max_gamma] from measured step costs and acceptance rates.
+    """A ``GammaPolicy`` choosing γ in [0, max_gamma] from measured step costs and acceptance.
 
     ``cap(seq)`` optionally bounds a row's draft length (a request that asked for a smaller γ, or none);
-    the policy counts only the drafts each row will really make. ``last`` is the γ of the latest step
-    (after caps), ``predicted`` the tokens/s it expected.
+    the policy counts only the drafts each row will really be asked for. ``ready(seqs)`` optionally says
+    whether the drafter can draft for this batch at all (a server that switched its draft model off);
+    when not, γ is 0 but ``best`` still tells what the model would choose. ``last`` is the γ of the
+    latest step (after caps), ``predicted`` the tokens/s it expected.
     """
 
     def __init__(self, max_gamma: int = 4, *, explore_every: int = 16, decay: float = 0.99,
-                 prior_alpha: float = 0.6, prior_weight: float = 8.0,
-                 cap: Callable[[Sequence], int | None] | None = None):
+                 prior_alpha: float = 0.6, prior_weight: float = 4.0,
+                 cap: Callable[[Sequence], int | None] | None = None,
+                 ready: Callable[[list[Sequence]], bool] | None = None):
         if not isinstance(max_gamma, int) or max_gamma < 1:
             raise InvalidParameterError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
         if not 0.0 < decay <= 1.0:
@@ -58,62 +60,73 @@ class AdaptiveGamma:
         self.explore_every = explore_every
         self.decay = decay
         self.prior_weight = prior_weight
-        self.cap = cap
+        self.cap, self.ready = cap, ready
         # decayed least-squares sums for cost = θ·φ, φ = [1, B, k, B·k]
         self._A = np.zeros((4, 4))  # Σ w φφᵀ
         self._b = np.zeros(4)  # Σ w φ·seconds
         self._n = 0.0  # Σ w
-        self._acc, self._tried = prior_alpha * prior_weight, prior_weight  # decayed global α counts
-        self._rows: dict[int, list[int]] = {}  # id(seq) -> [accepted, tried] of the running rows
+        # decayed counts: α = accepted / tried, π = rows that got drafts / rows asked for drafts
+        self._acc, self._tried = prior_alpha * prior_weight, prior_weight
+        self._proposed, self._asked_rows = prior_weight, prior_weight
         self._steps = 0
         self._explore_next = 0
-        self._pending: list[tuple[Sequence, int]] = []  # (row, drafts asked of it) of the current step
-        self.last = max_gamma
+        self._asked: list[tuple[Sequence, int, int]] = []  # (row, drafts asked, its drafted count before)
+        self.last = self.best = max_gamma
         self.predicted = 0.0
 
     # ---- GammaPolicy -----------------------------------------------------------------------------
     def choose(self, seqs: list[Sequence]) -> int:
         self._steps += 1
         B = len(seqs)
-        self._rows = {id(s): self._rows.get(id(s), [0, 0]) for s in seqs}
-        alphas = [self._row_alpha(s) for s in seqs]
         limits = [self._row_limit(s) for s in seqs]
-        rates = [self._rate(B, k, alphas, limits) for k in range(self.max_gamma + 1)]
-        best = int(np.argmax(rates))
-        k = best
-        if self.explore_every and self._steps % self.explore_every == 0:
-            # a neighbour of the best: measures the cost slope in k where it matters, at a small price
-            near = [j for j in (best + 1, best - 1) if 0 <= j <= self.max_gamma]
+        accepted = self.accepted_by_length()
+        rates = [self._rate(B, k, limits, accepted) for k in range(self.max_gamma + 1)]
+        k = self.best = int(np.argmax(rates))
+        if self.ready is not None and not self.ready(seqs):  # the drafter cannot draft for this batch now
+            k = 0
+        elif self.explore_every and self._steps % self.explore_every == 0:
+            # a neighbour of the best: measures the cost slope and A where it matters, at a small price
+            near = [j for j in (self.best + 1, self.best - 1) if 0 <= j <= self.max_gamma]
             k = near[self._explore_next % len(near)]
             self._explore_next += 1
         self.predicted = rates[k]
+        self._asked = [(s, min(k, lim), s.stats.drafted) for s, lim in zip(seqs, limits)]
         self.last = max((min(k, lim) for lim in limits), default=0)
-        self._pending = [(s, min(k, lim)) for s, lim in zip(seqs, limits)]
         return k
 
     def observe(self, k: int, accepted: list[int], step_s: float) -> None:
-        B = len(accepted)
-        d_acc = d_tried = 0
-        for (s, asked), a in zip(self._pending, accepted):
-            tried = a + (a < asked)  # positions up to the first rejection (or missing draft) were tried
-            row = self._rows.setdefault(id(s), [0, 0])
-            row[0] += a
-            row[1] += tried
-            d_acc += a
-            d_tried += tried
-        self._pending = []
-        self._acc = self.decay * self._acc + d_acc
-        self._tried = self.decay * self._tried + d_tried
-        phi = self._features(B, self.last)  # the draft length the step really had
-        self._A = self.decay * self._A + np.outer(phi, phi)
-        self._b = self.decay * self._b + phi * step_s
-        self._n = self.decay * self._n + 1.0
+        d = self.decay
+        d_acc = d_tried = d_asked = d_proposed = 0
+        for (s, asked, drafted_before), a in zip(self._asked, accepted):
+            if asked == 0:
+                continue
+            d_asked += 1
+            if s.stats.drafted > drafted_before:  # the drafter proposed something for this row
+                d_proposed += 1
+                d_acc += a
+                d_tried += a + (a < asked)  # positions up to the first rejection (or missing draft)
+        self._acc, self._tried = d * self._acc + d_acc, d * self._tried + d_tried
+        self._proposed, self._asked_rows = d * self._proposed + d_proposed, d * self._asked_rows + d_asked
+        phi = self._features(len(accepted), self.last)  # the draft length the step really had
+        self._A = d * self._A + np.outer(phi, phi)
+        self._b = d * self._b + phi * step_s
+        self._n = d * self._n + 1.0
 
     # ---- model -----------------------------------------------------------------------------------
     @property
     def acceptance_rate(self) -> float:
-        """Per-token acceptance probability α over recent steps (prior-weighted at the start)."""
+        """α: a proposed draft position's acceptance probability over recent steps (prior-weighted at first)."""
         return self._acc / self._tried if self._tried > 0 else 0.0
+
+    @property
+    def proposal_rate(self) -> float:
+        """π: how often the drafter proposed at least one token when asked (prior-weighted at the start)."""
+        return self._proposed / self._asked_rows if self._asked_rows > 0 else 1.0
+
+    def accepted_by_length(self) -> np.ndarray:
+        """A(j) = π·(α + … + α^j) for j = 0..max_gamma: expected drafts accepted when j are asked for."""
+        pi, alpha = self.proposal_rate, self.acceptance_rate
+        return np.array([pi * expected_accepted(j, alpha) for j in range(self.max_gamma + 1)])
 
     def cost(self, B: int, k: int) -> float:
         """Predicted seconds of a step with B rows drafting k tokens each (0 before any observation)."""
@@ -125,15 +138,12 @@ class AdaptiveGamma:
         floor = 0.1 * self._b[0] / self._A[0, 0]  # a tenth of the mean step: never zero or negative
         return max(float(theta @ self._features(B, k)), floor)
 
-    def _rate(self, B: int, k: int, alphas: list[float], limits: list[int]) -> float:
-        tokens = sum(expected_tokens(min(k, lim), a) for a, lim in zip(alphas, limits))
+    def _rate(self, B: int, k: int, limits: list[int], accepted: np.ndarray) -> float:
+        asked = [min(k, lim) for lim in limits]
+        tokens = sum(1.0 + accepted[j] for j in asked)
         if self._n == 0:  # nothing measured yet: assume verification is free (start by speculating)
             return tokens
-        return tokens / self.cost(B, max((min(k, lim) for lim in limits), default=0))
-
-    def _row_alpha(self, s: Sequence) -> float:
-        acc, tried = self._rows[id(s)]
-        return (acc + self.prior_weight * self.acceptance_rate) / (tried + self.prior_weight)
+        return tokens / self.cost(B, max(asked, default=0))
 
     def _row_limit(self, s: Sequence) -> int:
         lim = min(self.max_gamma, s.remaining - 1)

@@ -17,7 +17,7 @@ import torch
 from draftwise.api import SpeculativeDecoder
 from draftwise.decode import Decoder
 from draftwise.errors import InvalidParameterError
-from draftwise.gamma import AdaptiveGamma, expected_tokens
+from draftwise.gamma import AdaptiveGamma, expected_accepted
 from draftwise.models import LoadedModel, load_model
 from draftwise.sampling import SamplingParams
 from draftwise.sequence import Sequence
@@ -87,10 +87,10 @@ def test_detokenizer_holds_back_a_possible_stop_string(tiny_dw):
 
 
 # ---- the adaptive γ policy ------------------------------------------------------------------------
-def test_expected_tokens():
-    assert expected_tokens(0, 0.7) == 1.0
-    assert expected_tokens(3, 1.0) == 4.0
-    assert expected_tokens(2, 0.5) == pytest.approx(1.75)
+def test_expected_accepted():
+    assert expected_accepted(0, 0.7) == 0.0
+    assert expected_accepted(3, 1.0) == 3.0
+    assert expected_accepted(2, 0.5) == pytest.approx(0.75)
 
 
 def _simulate(policy: AdaptiveGamma, B: int, steps: int, alpha: float, rng: random.Random) -> list[int]:
@@ -123,6 +123,24 @@ def test_adaptive_gamma_speculates_when_cheap_and_stops_under_load():
     assert sorted(alone)[len(alone) // 2] >= 3
     assert sorted(loaded)[len(loaded) // 2] == 0 and loaded.count(0) >= 30
     assert policy.acceptance_rate == pytest.approx(0.8, abs=0.1)
+
+
+def test_adaptive_gamma_measures_all_or_nothing_drafters():
+    """A drafter that proposes a fully correct run 40% of the time and nothing otherwise (prompt lookup on
+    repetitive text): α per tried position is low, but the measured A(j) shows drafting pays at B=1."""
+    rng = random.Random(2)
+    policy = AdaptiveGamma(4, explore_every=8)
+    seqs = [Sequence([1, 2, 3], SamplingParams(max_tokens=10_000))]
+    chosen = []
+    for _ in range(200):
+        k = policy.choose(seqs)
+        keff = policy.last
+        chosen.append(keff)
+        a = keff if rng.random() < 0.4 else 0
+        seqs[0].stats.record_step(a, a)
+        policy.observe(k, [a], (0.02 + 0.002 * (keff + 1)) * rng.uniform(0.95, 1.05))
+    assert sorted(chosen[-50:])[25] == 4  # E = 1 + 0.4·4 = 2.6 tokens for 1.4× the cost of one
+    assert policy.accepted_by_length()[4] == pytest.approx(1.6, abs=0.4)
 
 
 def test_adaptive_gamma_respects_row_caps():
@@ -207,6 +225,57 @@ def test_drafter_kept_in_step_while_no_row_drafts(tiny_dw):
         for seq in plain + [late]:
             assert seq.output_ids == reference(tiny_dw, seq.prompt_ids, seq.params.max_tokens)
         assert late.stats.drafted > 0 and all(s.stats.drafted == 0 for s in plain)
+    finally:
+        engine.stop()
+
+
+class StubPolicy:
+    """Says what γ is best (set by the test); drafts it when the batch can."""
+
+    max_gamma = 3
+
+    def __init__(self, ready):
+        self.best, self.ready = 0, ready
+
+    def choose(self, seqs):
+        return self.best if self.ready(seqs) else 0
+
+    def observe(self, k, accepted, step_s):
+        pass
+
+
+def test_draft_model_switched_off_and_on(tiny_dw):
+    """When the policy keeps finding speculation not worth it, the draft model is switched off (rows lose
+    their draft state, new rows get none); when it would pay again, rows admitted get draft state and the
+    batch drafts once all rows have it. Outputs stay exact throughout."""
+    from draftwise.serve.engine import DETACH_AFTER_STEPS
+
+    engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, max_model_len=200, max_batch=2))
+    stub = StubPolicy(lambda seqs: engine.drafter.ready(seqs))
+    engine.policy = engine.decoder.gamma = stub
+    a = engine.new_sequence([3, 4, 5], SamplingParams(max_tokens=70, ignore_eos=True))
+    b = engine.new_sequence([9, 8], SamplingParams(max_tokens=120, ignore_eos=True))
+    sinks = [queue.Queue(), queue.Queue()]
+    engine.start()
+    try:
+        engine.submit("a", [a], sinks[0].put)
+        deadline = time.monotonic() + 30
+        while engine.speculation_on and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert not engine.speculation_on and not a.attached and a.drafter_state is None
+        assert a.num_output >= DETACH_AFTER_STEPS and a.stats.drafted == 0
+        stub.best = 3  # speculation would pay again
+        while not engine.speculation_on:
+            time.sleep(0.002)
+        engine.submit("b", [b], sinks[1].put)
+        for q in sinks:
+            while q.get(timeout=60).finish_reason is None:
+                pass
+        assert b.stats.drafted > 0 and a.stats.drafted == 0  # b drafted once a (no draft state) had left
+        for seq in (a, b):
+            assert seq.output_ids == reference(tiny_dw, seq.prompt_ids, seq.params.max_tokens)
+        text = engine.metrics.render().decode()
+        assert "draftwise_speculation_on 1.0" in text
     finally:
         engine.stop()
 

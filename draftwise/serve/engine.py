@@ -18,6 +18,11 @@ Memory: the KV caches of target and draft model are allocated once at start, ``r
 ``max_model_len`` (+ draft headroom) tokens each, ``rows`` chosen to fit ``kv_cache_mb``. When every row
 is busy requests wait; when ``max_queue`` are waiting ``submit`` refuses (``EngineFullError``, HTTP 503).
 Nothing grows with load, so load cannot exhaust memory.
+
+Speculation: the drafter is wrapped in a ``ServeDrafter`` (per-request γ caps; plain-decoding requests in
+the same batch). With the adaptive policy (``draftwise/gamma.py``) γ shrinks as the batch grows; when
+speculation has not paid for a while the draft model is switched off entirely (it idles instead of
+keeping its cache in step) and back on for new requests when the policy finds it would pay again.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ DTYPE_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 # a batch whose rows all draft nothing still lets the drafter see its new tokens every this many steps,
 # so the drafter's catch-up pass when drafting resumes stays short (a few tokens, a small logits tensor)
 DRAFTER_SYNC_STEPS = 16
+# the adaptive policy found speculation not paying for this many steps in a row: the draft model is
+# switched off (rows detached) until the policy finds it would pay again
+DETACH_AFTER_STEPS = 2 * DRAFTER_SYNC_STEPS
 
 
 class EngineFullError(DraftwiseError):
@@ -66,6 +74,7 @@ class ServeSequence(Sequence):
     index: int = 0
     gamma_cap: int | None = None
     method: str = "ar"
+    attached: bool = False  # the drafter holds state for it (see ServeDrafter)
     detok: IncrementalDetokenizer | None = None
     sent_tokens: int = 0  # output tokens already handed to the sink
     request: "EngineRequest | None" = None
@@ -99,19 +108,24 @@ class EngineRequest:
     sink: Callable[[object], None]
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-    cancelled: bool = False
 
 
-class CappedDrafter:
-    """Wraps the server's drafter: each row drafts at most its sequence's ``gamma_cap`` tokens (a request
-    that chose plain decoding or a smaller γ). Rows capped to 0 still share the drafter's batch state, so
-    they can sit in the same batch as speculating rows. Records the draft lengths of the latest step.
+class ServeDrafter:
+    """Wraps the server's drafter for a batch whose rows want different things.
 
-    When every row is capped to 0, the drafter is still asked for one token per row every
-    ``DRAFTER_SYNC_STEPS`` steps, and its proposals are dropped — to the drafter they were rejected
-    (the decode loop's ``accept`` reports 0 accepted) — so a draft model's cache never lags far behind.
-    While the adaptive policy has turned speculation off (the decode loop does not call the drafter), it
-    tries another γ every ``DRAFTER_SYNC_STEPS`` steps, which keeps the drafter in step the same way.
+    - Caps: each row drafts at most its sequence's ``gamma_cap`` tokens (a request that chose plain
+      decoding or a smaller γ). Rows capped to 0 still share the drafter's batch state, so they can sit
+      in the same batch as speculating rows. When every row is capped to 0 the drafter is still asked for
+      one token per row every ``DRAFTER_SYNC_STEPS`` steps and its proposals are dropped — to the drafter
+      they were rejected (the decode loop's ``accept`` reports 0 accepted) — so a draft model's cache
+      never lags far behind (its catch-up pass stays short: a small logits tensor).
+    - Off switch: keeping a draft model in step costs a forward of it over every token (prefill and
+      catch-up), whether or not anything is drafted. ``detach(rows)`` (the engine calls it when the
+      policy has kept speculation off for a while) drops the rows' drafter state and stops giving new
+      rows any; the draft model then idles. ``attach_new = True`` gives rows admitted from then on their
+      state again; the batch drafts once every running row has it (``ready``).
+
+    Records the draft lengths of the latest step (``last_ks``).
     """
 
     def __init__(self, inner: Drafter):
@@ -119,27 +133,46 @@ class CappedDrafter:
         self.name = inner.name
         self.last_ks: list[int] = []
         self.step = 0  # the engine's step counter
+        self.attach_new = True  # new rows get the drafter's state at admission
         self._synced = 0
 
+    def ready(self, seqs: list[Sequence]) -> bool:
+        """Whether the batch can draft: every row has its drafter state."""
+        return all(s.attached for s in seqs)
+
+    def detach(self, seqs: list[Sequence]) -> None:
+        self.attach_new = False
+        for s in seqs:
+            if s.attached:
+                self.inner.release(s)
+                s.attached, s.drafter_state = False, None
+
     def start(self, seq: Sequence) -> None:
-        self.inner.start(seq)
+        if self.attach_new:
+            self.inner.start(seq)
+            seq.attached = True
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         ks = [k if s.gamma_cap is None else min(k, s.gamma_cap) for s, k in zip(seqs, ks)]
+        if not self.ready(seqs):  # a policy that cannot see attachment (fixed γ): no drafts this step
+            ks = [0] * len(seqs)
         self.last_ks = ks
         if max(ks, default=0) > 0:
             self._synced = self.step
             return self.inner.propose(seqs, ks)
-        if self.step - self._synced >= DRAFTER_SYNC_STEPS:
+        if self.step - self._synced >= DRAFTER_SYNC_STEPS and self.ready(seqs):
             self._synced = self.step
             self.inner.propose(seqs, [1] * len(seqs))
         return [Draft([]) for _ in seqs]
 
     def accept(self, seq, n_before, num_accepted, target_logits) -> None:
-        self.inner.accept(seq, n_before, num_accepted, target_logits)
+        if seq.attached:
+            self.inner.accept(seq, n_before, num_accepted, target_logits)
 
     def release(self, seq: Sequence) -> None:
-        self.inner.release(seq)
+        if seq.attached:
+            self.inner.release(seq)
+            seq.attached = False
 
     def move_row(self, src: int, dst: int) -> None:
         self.inner.move_row(src, dst)
@@ -214,15 +247,17 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.gamma_now = 0  # draft length of the latest step (0 = no speculation)
         self.steps = 0
+        self._off_steps = 0  # consecutive steps the policy found speculation not paying
 
     def _make_policy(self) -> GammaPolicy:
         if self.cfg.gamma_policy == "fixed":
             return FixedGamma(self.cfg.gamma)
-        return AdaptiveGamma(self.cfg.gamma, explore_every=DRAFTER_SYNC_STEPS, cap=lambda s: s.gamma_cap)
+        return AdaptiveGamma(self.cfg.gamma, explore_every=DRAFTER_SYNC_STEPS, cap=lambda s: s.gamma_cap,
+                             ready=lambda seqs: self.drafter is not None and self.drafter.ready(seqs))
 
     def _make_decoder(self) -> Decoder:
         drafter = self.dw.make_drafter(self.method, self.rows, self.capacity, **self.cfg.drafter_options)
-        self.drafter = CappedDrafter(drafter) if drafter is not None else None
+        self.drafter = ServeDrafter(drafter) if drafter is not None else None
         tok = self.tokenizer
         return Decoder(self.dw.target.model, self.drafter, self.policy, eos_ids=tok.eos_ids,
                        detokenize=tok.decode, rows=self.rows, capacity=self.capacity)
@@ -377,6 +412,7 @@ class Engine:
         dt = time.perf_counter() - t0
         self.steps += 1
         self.gamma_now = max(self.drafter.last_ks, default=0) if self.drafter is not None else 0
+        self._switch_speculation()
         emitted = drafted = accepted = 0
         for s, (n0, d0, a0) in zip(running, before):
             emitted += s.num_output - n0
@@ -385,6 +421,24 @@ class Engine:
         self.metrics.observe_step(len(running), self.gamma_now, emitted, drafted, accepted, dt)
         for s in running:
             self._emit(s)
+
+    @property
+    def speculation_on(self) -> bool:
+        return self.drafter is not None and self.drafter.attach_new
+
+    def _switch_speculation(self) -> None:
+        """With the adaptive policy: switch the draft model off once speculation has not paid for
+        DETACH_AFTER_STEPS steps; back on (for rows admitted from then on) once the policy finds it would."""
+        best = getattr(self.policy, "best", None)
+        if self.drafter is None or best is None:
+            return
+        if not self.drafter.attach_new:
+            self.drafter.attach_new = best > 0
+            return
+        self._off_steps = self._off_steps + 1 if best == 0 else 0
+        if self._off_steps >= DETACH_AFTER_STEPS:
+            self._off_steps = 0
+            self.drafter.detach(self.decoder.running)
 
     def _emit(self, s: ServeSequence) -> None:
         """Hand a sequence's new tokens (as text) to its request's sink; finish it if done."""

@@ -39,6 +39,8 @@ class EngineMetrics:
         g("cache_rows", "KV cache rows (the largest batch)").set_function(lambda: engine.rows)
         g("gamma", "Draft length γ chosen for the latest step (0 = speculation off)").set_function(
             lambda: engine.gamma_now)
+        g("speculation_on", "1 while the drafter runs (rows admitted get draft state), 0 once the adaptive "
+          "policy switched it off").set_function(lambda: float(engine.speculation_on))
         g("tokens_per_second", f"Output tokens per second over the last {WINDOW_S:g} s").set_function(
             self.tokens_per_s)
         g("acceptance_rate", f"α = accepted / drafted over the last {WINDOW_S:g} s").set_function(
