@@ -36,7 +36,8 @@ def extension():
                 from torch.utils.cpp_extension import load
 
                 _ext = load(name="draftwise_qmm", sources=[str(Path(__file__).with_name("qmm.cpp"))],
-                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"],
+                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
+                            extra_ldflags=["-fopenmp"],
                             verbose=False)
             except Exception as e:  # no compiler, no ninja, ...
                 log.warning("draftwise: quantized kernel unavailable (%s); using the slower torch path", e)

@@ -26,10 +26,14 @@ inline void row_kernel(const float* __restrict x, int64_t K, const uint8_t* __re
                        int64_t G, float* __restrict out, int64_t N) {
   const int64_t ng = K / G;
 #if defined(__AVX512F__)
-  __m512 acc[MB];
-  float corr[MB];
-  for (int i = 0; i < MB; ++i) { acc[i] = _mm512_setzero_ps(); corr[i] = 0.f; }
-  for (int64_t g = 0; g < ng; ++g) {
+  // two accumulator sets (even / odd groups) halve the loop-carried FMA latency chain
+  __m512 acc0[MB], acc1[MB];
+  float corr0[MB], corr1[MB];
+  for (int i = 0; i < MB; ++i) {
+    acc0[i] = acc1[i] = _mm512_setzero_ps();
+    corr0[i] = corr1[i] = 0.f;
+  }
+  auto group = [&](int64_t g, __m512* acc, float* corr) {
     __m512 part[MB];
     for (int i = 0; i < MB; ++i) part[i] = _mm512_setzero_ps();
     const int64_t k0 = g * G;
@@ -51,16 +55,23 @@ inline void row_kernel(const float* __restrict x, int64_t K, const uint8_t* __re
         __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
         __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
         for (int i = 0; i < MB; ++i) {
-          part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k), lo, part[i]);
-          part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k + 16), hi, part[i]);
+          __m512 p = _mm512_mul_ps(_mm512_loadu_ps(x + i * K + k), lo);
+          part[i] = _mm512_add_ps(part[i], _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k + 16), hi, p));
         }
       }
     }
     const __m512 s = _mm512_set1_ps(sn[g]);
     for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(part[i], s, acc[i]);
     if (mn) for (int i = 0; i < MB; ++i) corr[i] += mn[g] * xs[i * ng + g];
+  };
+  int64_t g = 0;
+  for (; g + 1 < ng; g += 2) {
+    group(g, acc0, corr0);
+    group(g + 1, acc1, corr1);
   }
-  for (int i = 0; i < MB; ++i) out[i * N] = _mm512_reduce_add_ps(acc[i]) - corr[i];
+  if (g < ng) group(g, acc0, corr0);
+  for (int i = 0; i < MB; ++i)
+    out[i * N] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i])) - (corr0[i] + corr1[i]);
 #else
   for (int i = 0; i < MB; ++i) {
     float acc = 0.f, corr = 0.f;

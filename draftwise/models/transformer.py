@@ -84,9 +84,7 @@ class Attention(nn.Module):
             v_cache[b, :, L:L + T] = v[b]
             if attn_mask is None and T <= EXACT_MAX_T:
                 for t in range(T):  # exactly the call plain decoding makes for this token
-                    out[b, :, t:t + 1] = F.scaled_dot_product_attention(
-                        q[b:b + 1, :, t:t + 1], k_cache[b:b + 1, :, :L + t + 1],
-                        v_cache[b:b + 1, :, :L + t + 1], enable_gqa=True)[0]
+                    out[b, :, t] = self._attend_one(q[b, :, t], k_cache[b, :, :L + t + 1], v_cache[b, :, :L + t + 1])
             else:
                 keys = torch.arange(L + T)
                 if attn_mask is None:  # causal, offset by the cached prefix
@@ -97,6 +95,16 @@ class Attention(nn.Module):
                     q[b:b + 1], k_cache[b:b + 1, :, :L + T], v_cache[b:b + 1, :, :L + T],
                     attn_mask=mask, enable_gqa=True)[0]
         return self.o(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+    def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One query token over its keys, grouped-query. q: (nh, hd); k, v: (nkv, S, hd) -> (nh, hd).
+        Three small ops: torch's CPU flash-attention kernel costs ~5 ms per call for a single query."""
+        g = self.nh // self.nkv
+        qg = q.view(self.nkv, g, self.hd)  # (nkv, g, hd)
+        scores = torch.matmul(qg, k.transpose(1, 2)) * (self.hd ** -0.5)  # (nkv, g, S)
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).view(self.nh, self.hd)  # (nh, hd)
 
 
 class MLP(nn.Module):
