@@ -27,6 +27,7 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 METHODS = ("ar", "draft", "pld", "nasd")
 AUTO_MAX_GAMMA = 8  # the adaptive policy chooses γ in [0, 8] per step
+SEEDED_GAMMA = 4  # "auto" for a seeded sampled request: reproducible (see gamma_policy)
 
 
 @dataclass
@@ -103,9 +104,12 @@ class SpeculativeDecoder:
             return NASDDrafter(**opts)
         raise InvalidParameterError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
-    def gamma_policy(self, method: str, gamma: int | str | GammaPolicy) -> GammaPolicy:
+    def gamma_policy(self, method: str, gamma: int | str | GammaPolicy, params: SamplingParams | None = None
+                     ) -> GammaPolicy:
         """An int is a fixed γ; "auto" the adaptive policy of this method (its measured step costs are
-        kept across requests, acceptance is tracked per request)."""
+        kept across requests, acceptance is tracked per request). A seeded sampled request gets a fixed
+        γ instead: the adaptive choice depends on measured timings, and a different γ sequence consumes
+        the request's random stream differently, so the seed would not reproduce the output."""
         if isinstance(gamma, bool):
             raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
         if isinstance(gamma, int):
@@ -115,6 +119,8 @@ class SpeculativeDecoder:
                 return FixedGamma(int(gamma))
             if gamma != "auto":
                 raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+            if params is not None and params.seed is not None and not params.greedy:
+                return FixedGamma(SEEDED_GAMMA)
             return self._auto.setdefault(method, AdaptiveGamma(AUTO_MAX_GAMMA))
         return gamma
 
@@ -124,7 +130,7 @@ class SpeculativeDecoder:
         params = params or SamplingParams()
         ids = list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
             else self.encode(prompt, chat)
-        policy = self.gamma_policy(method, gamma)
+        policy = self.gamma_policy(method, gamma, params)
         capacity = len(ids) + params.max_tokens + policy.max_gamma + 2
         capacity = min(capacity, self.target.config.max_context + policy.max_gamma + 2)
         drafter = self.make_drafter(method, 1, capacity, **(drafter_options or {}))

@@ -19,13 +19,26 @@ TINY_QWEN = ModelConfig(**{**TINY.to_dict(), "arch": "qwen2", "qkv_bias": True})
 
 
 def perturbed(model: Transformer, noise: float, seed: int) -> Transformer:
-    """A copy of ``model`` with noisy weights: a draft model that agrees often, not always."""
+    """A copy of ``model`` with noisy weights: a draft model that agrees often, not always. Works for
+    plain nn.Linear models and for kernel-backed ones (dense weights get noise, integer codes noisy scales)."""
+    import copy
+
+    from draftwise.kernels import QLinear
+
     g = torch.Generator().manual_seed(seed)
-    other = random_model(model.config, seed=seed, dtype=model.dtype)
-    other.load_state_dict(model.state_dict())
-    for p in other.parameters():
-        if p.dim() > 1:
-            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * noise * p.float().std().to(p.dtype))
+    other = copy.deepcopy(model)
+
+    def noisy(t: torch.Tensor) -> None:
+        t.add_((torch.randn(t.shape, generator=g) * noise * t.float().std()).to(t.dtype))
+
+    for m in other.modules():
+        if isinstance(m, QLinear):
+            if m.bits >= 16:  # dense weights behind an integer view
+                noisy(m.q.view(torch.bfloat16 if m.bits == 16 else torch.float32))
+            else:
+                m.scale.mul_(1 + noise * torch.randn(m.scale.shape, generator=g))
+        elif isinstance(m, torch.nn.Linear):
+            noisy(m.weight)
     return other
 
 

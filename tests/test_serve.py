@@ -155,7 +155,8 @@ def test_adaptive_gamma_respects_row_caps():
 # ---- the engine -----------------------------------------------------------------------------------
 def test_memory_budget_sets_rows(tiny_dw):
     cfg = tiny_dw.target.config
-    per_token = 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # bf16 k+v, target and draft alike
+    elem = torch.empty(0, dtype=tiny_dw.target.model.dtype).element_size()  # the cache's dtype (compute dtype)
+    per_token = 2 * elem * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # k+v, target and draft alike
     e = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, max_model_len=100, max_batch=64,
                                      kv_cache_mb=per_token * 2 * 104 * 5.5 / 2**20))
     assert e.rows == 5 and e.capacity == 104

@@ -48,8 +48,8 @@ def extension():
 def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int) -> torch.Tensor:
     """(N, K) float32 weights from the packed code (the reference the kernel is tested against)."""
     N = q.shape[0]
-    if bits in (16, 32):  # dense bf16 / fp32
-        return q.float()
+    if bits in (16, 32):  # dense bf16 / fp32, stored as an integer view (see QLinear.dense)
+        return q.view(torch.bfloat16 if bits == 16 else torch.float32).float()
     if bits == 4:
         b = q.view(N, -1, 16)  # (N, K/32, 16)
         vals = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(N, -1).float()  # (N, K)
@@ -71,7 +71,7 @@ class QLinear(nn.Module):
         self.bits, self.group = bits, group
         self.in_features = q.shape[1] * (2 if bits == 4 else 1)
         self.out_features = q.shape[0]
-        self.register_buffer("q", q.contiguous())  # (N, K) int8 | (N, K/2) uint8 | (N, K) bf16 / fp32
+        self.register_buffer("q", q.contiguous())  # (N, K) int8 | (N, K/2) uint8 | (N, K) int16/int32 views
         self.register_buffer("scale", scale.float().contiguous())  # (N, K/G)
         self.register_buffer("minv", (minv if minv is not None else torch.empty(0)).float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
@@ -81,14 +81,17 @@ class QLinear(nn.Module):
     def dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "QLinear":
         """Dense bf16 or fp32 weights through the same batch-invariant kernel (one group per row)."""
         bits = {torch.bfloat16: 16, torch.float32: 32}[weight.dtype]
-        return cls(weight.contiguous(), torch.ones(weight.shape[0], 1), None, weight.shape[1], bits, bias)
+        # held as an integer view, so that module.to(dtype) never converts the stored weights
+        raw = weight.contiguous().view(torch.int16 if bits == 16 else torch.int32)
+        return cls(raw, torch.ones(weight.shape[0], 1), None, weight.shape[1], bits, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float().contiguous()  # (M, K)
         ext = extension()
         if ext is not None:
-            y = ext.qmm(x2, self.q, self.scale, self.minv, self.group, self.bits)
+            scale, minv = self.scale.float(), self.minv.float()  # no-ops unless someone called .to(dtype)
+            y = ext.qmm(x2, self.q, scale, minv, self.group, self.bits)
         else:
             if self._dense is None:
                 self._dense = dequantize(self.q, self.scale, self.minv, self.group, self.bits)
