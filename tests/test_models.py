@@ -177,3 +177,24 @@ def test_unknown_and_bad_model_refs(tmp_path):
         load_model(str(tmp_path / "x.bin"))
     with pytest.raises(ModelNotFoundError, match="config.json"):
         load_model(str(tmp_path))
+
+
+def test_long_prefill_takes_the_gemm_path_and_stays_close(hf_folder):
+    """Prefills longer than the exact-attention limit use de-quantized bf16 GEMMs (fast); their logits
+    stay close to the exact kernel's, and decoding after them is still token-exact across methods."""
+    from draftwise import SamplingParams, SpeculativeDecoder
+    from draftwise.models import load_model
+
+    lm = load_model(str(hf_folder), "bf16", progress=False)
+    m = lm.model
+    toks = torch.randint(0, m.config.vocab_size, (1, 100), generator=torch.Generator().manual_seed(0))
+    a, b = m.new_cache(1, 128), m.new_cache(1, 128)
+    bulk = m.forward(toks, a).logits  # T = 100: GEMM path
+    exact = torch.cat([m.forward(toks[:, i:i + 25], b).logits for i in range(0, 100, 25)], dim=1)
+    assert not torch.equal(bulk, exact)  # really a different path
+    torch.testing.assert_close(bulk, exact, atol=0.05 * float(exact.abs().max()), rtol=0.05)
+    dw = SpeculativeDecoder(lm, lm, progress=False)
+    ids = toks[0].tolist()
+    ref = dw.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True), method="ar").token_ids
+    for method in ("draft", "pld", "nasd"):
+        assert dw.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True), method=method).token_ids == ref

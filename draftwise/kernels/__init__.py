@@ -8,6 +8,7 @@ thing (slower). ``QLinear`` is a drop-in for ``nn.Linear`` in the native model.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -17,6 +18,22 @@ import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+_mode = threading.local()
+BULK_MIN_ROWS = 64  # bulk (prefill) calls with more rows than this take the dequantize + bf16 gemm path
+
+
+@contextlib.contextmanager
+def bulk(enabled: bool = True):
+    """Within this block, linears over many rows (a long prefill) de-quantize their weights to bf16 and
+    use torch's GEMM (AMX / oneDNN) instead of the GEMV-style kernel, which is compute-bound there.
+    The model enters it only for forwards that no other computation must match token for token
+    (prefills longer than the exact-attention limit), so decoding stays batch-invariant."""
+    prev = getattr(_mode, "bulk", False)
+    _mode.bulk = enabled
+    try:
+        yield
+    finally:
+        _mode.bulk = prev
 _ext = None
 _ext_lock = threading.Lock()
 _ext_failed = False
@@ -89,7 +106,10 @@ class QLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float().contiguous()  # (M, K)
         ext = extension()
-        if ext is not None:
+        if getattr(_mode, "bulk", False) and x2.shape[0] > BULK_MIN_ROWS:
+            w = dequantize(self.q, self.scale, self.minv, self.group, self.bits).to(torch.bfloat16)  # (N, K)
+            y = (x2.to(torch.bfloat16) @ w.t()).float()
+        elif ext is not None:
             scale, minv = self.scale.float(), self.minv.float()  # no-ops unless someone called .to(dtype)
             y = ext.qmm(x2, self.q, scale, minv, self.group, self.bits)
         else:

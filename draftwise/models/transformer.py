@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import bulk
 from .base import KVCache, LogitsFor, ModelConfig, ModelOutput
 
 EXACT_MAX_T = 32  # forwards of at most this many new tokens use the row-by-row (invariant) attention
@@ -161,9 +162,10 @@ class Transformer(nn.Module):
             positions = cache.lengths[:B, None] + torch.arange(T)  # (B, T)
         cos, sin = self.rotary.tables(positions, self.dtype)
         h = self.embed(input_ids)  # (B, T, D)
-        for i, layer in enumerate(self.layers):
-            h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, attn_mask)
-            h = h + layer.mlp(layer.mlp_norm(h))
+        with bulk(T > EXACT_MAX_T):  # a long prefill: GEMM path (never compared token for token)
+            for i, layer in enumerate(self.layers):
+                h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, attn_mask)
+                h = h + layer.mlp(layer.mlp_norm(h))
         cache.lengths[:B] += T
         if isinstance(logits_for, torch.Tensor):  # one position per row
             h = h[torch.arange(B), logits_for].unsqueeze(1)
