@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode import Decoder, FixedGamma, GammaPolicy
-from .gamma import AdaptiveGamma
+from .gamma import AdaptiveGamma, measure_forward_costs
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter, check_compatible
 from .drafters.nasd import NASDDrafter
@@ -58,11 +58,15 @@ class SpeculativeDecoder:
     """A target model plus whatever the methods need (a draft model is loaded lazily when asked for)."""
 
     def __init__(self, target: str | LoadedModel = DEFAULT_TARGET, draft: str | LoadedModel | None = DEFAULT_DRAFT,
-                 *, dtype: str = "auto", backend: str = "native", progress: bool = True):
+                 *, dtype: str = "auto", draft_dtype: str | None = None, backend: str = "native",
+                 progress: bool = True):
         self.dtype, self.backend, self.progress = dtype, backend, progress
+        self.draft_dtype = draft_dtype or dtype
         self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype, backend, progress)
         self._draft_ref = draft
         self._auto: dict[str, AdaptiveGamma] = {}  # per method: step costs are learned across requests
+        self._target_costs: list[float] | None = None  # measured forward seconds for T = 1, 2, ... (prime)
+        self._draft_cost: float | None = None
         self._draft: LoadedModel | None = draft if isinstance(draft, LoadedModel) else None
         if self._draft is not None:
             self._check_draft(self._draft)
@@ -76,7 +80,7 @@ class SpeculativeDecoder:
         if self._draft is None:
             if self._draft_ref is None:
                 raise InvalidParameterError("method 'draft' needs a draft model (--draft NAME_OR_PATH)")
-            d = load_model(self._draft_ref, self.dtype, self.backend, self.progress)
+            d = load_model(self._draft_ref, self.draft_dtype, self.backend, self.progress)
             self._check_draft(d)
             self._draft = d
         return self._draft
@@ -121,8 +125,28 @@ class SpeculativeDecoder:
                 raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
             if params is not None and params.seed is not None and not params.greedy:
                 return FixedGamma(SEEDED_GAMMA)
-            return self._auto.setdefault(method, AdaptiveGamma(AUTO_MAX_GAMMA))
+            if method not in self._auto:
+                self._auto[method] = self.prime(AdaptiveGamma(AUTO_MAX_GAMMA), method)
+            return self._auto[method]
         return gamma
+
+    def prime(self, policy: AdaptiveGamma, method: str) -> AdaptiveGamma:
+        """Seed an adaptive policy's cost fit with this machine's measured step costs for ``method``:
+        a target pass over k + 1 tokens plus, for the draft model, k single-token draft passes. Measured
+        once per process (about two seconds for the 1.5B target)."""
+        if method == "ar" or self.backend != "native":
+            return policy
+        k_max = policy.max_gamma
+        if self._target_costs is None or len(self._target_costs) < k_max + 1:
+            self._target_costs = measure_forward_costs(self.target.model, k_max + 1)
+        per_draft = 0.0
+        if method == "draft":
+            if self._draft_cost is None:
+                self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0]
+            per_draft = self._draft_cost
+        for k in range(k_max + 1):
+            policy.prime(1, k, self._target_costs[k] + k * per_draft)
+        return policy
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
                  method: str = "draft", gamma: int | str | GammaPolicy = "auto", chat: bool = False,

@@ -39,6 +39,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "gguf", "int8", "int4", "bf16", "fp32"],
                    help="weight format: auto (a GGUF keeps its own quantization, exact; else bf16), gguf, "
                         "int8 / int4 (round-to-nearest, groups of 32), bf16, fp32")
+    p.add_argument("--draft-dtype", default=None, choices=["auto", "gguf", "int8", "int4", "bf16", "fp32"],
+                   help="weight format of the draft model (default: as --dtype); its precision only moves the "
+                        "acceptance rate, never the output")
     p.add_argument("--backend", default="native", choices=["native", "hf"],
                    help="native PyTorch Llama/Qwen2 (default) or any HF AutoModelForCausalLM")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
@@ -133,7 +136,7 @@ def cmd_generate(args) -> int:
     from .api import SpeculativeDecoder
 
     dw = SpeculativeDecoder(args.target, args.draft if args.method == "draft" else None, dtype=args.dtype,
-                            backend=args.backend, progress=not args.json)
+                            draft_dtype=args.draft_dtype, backend=args.backend, progress=not args.json)
     result = dw.generate(args.prompt, params, method=args.method, gamma=args.gamma, chat=args.chat)
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))

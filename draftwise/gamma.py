@@ -18,6 +18,10 @@ try). Both are decayed running estimates pooled over all rows and draft lengths,
 after a few steps. Without π, a drafter whose proposals are all-or-nothing (a long, likely run or
 nothing) would look like one with a low α and never get to draft.
 
+Before any step is seen, ``prime`` feeds the fit with measured costs (``measure_forward_costs`` times
+the target over T = 1..γ+1 new tokens at load), so the first request already knows where verification
+gets expensive on this machine; real steps then take over (the decay forgets the priming).
+
 Every ``explore_every``-th step tries a neighbour of the best k (alternately above and below) so the cost
 slope and A stay measured as the batch changes. Works with any drafter and any Decoder (the server uses
 it; ``SpeculativeDecoder.generate(gamma=AdaptiveGamma(4))`` too).
@@ -25,9 +29,11 @@ it; ``SpeculativeDecoder.generate(gamma=AdaptiveGamma(4))`` too).
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
+import torch
 
 from .errors import InvalidParameterError
 from .sequence import Sequence
@@ -112,6 +118,13 @@ class AdaptiveGamma:
         self._b = d * self._b + phi * step_s
         self._n = d * self._n + 1.0
 
+    def prime(self, B: int, k: int, seconds: float) -> None:
+        """Add a measured step cost (B rows drafting k tokens each) to the cost fit without a step."""
+        phi = self._features(B, k)
+        self._A = self.decay * self._A + np.outer(phi, phi)
+        self._b = self.decay * self._b + phi * seconds
+        self._n = self.decay * self._n + 1.0
+
     # ---- model -----------------------------------------------------------------------------------
     @property
     def acceptance_rate(self) -> float:
@@ -153,3 +166,24 @@ class AdaptiveGamma:
     @staticmethod
     def _features(B: int, k: int) -> np.ndarray:
         return np.array([1.0, B, k, B * k], dtype=np.float64)
+
+
+@torch.inference_mode()
+def measure_forward_costs(model, max_tokens: int, *, context: int = 32, logits_for: str = "all") -> list[float]:
+    """Seconds of one batch-1 forward over T = 1..max_tokens new tokens after ``context`` cached ones
+    (the fastest of two timings each, after a warm-up). Works on any ``CausalLM``."""
+    vocab = model.config.vocab_size
+    ids = (torch.arange(context + max_tokens, dtype=torch.long) * 7919 % vocab).view(1, -1)  # (1, C + T)
+    cache = model.new_cache(1, context + max_tokens + 1)
+    model.forward(ids[:, :context], cache, logits_for="last")
+    costs = []
+    for T in [max_tokens] + list(range(1, max_tokens + 1)):  # the first one warms up
+        best = float("inf")
+        for _ in range(2):
+            cache.set_lengths(context)
+            t0 = time.perf_counter()
+            model.forward(ids[:, context:context + T], cache, logits_for=logits_for)
+            best = min(best, time.perf_counter() - t0)
+        costs.append(best)
+    cache.set_lengths(0)
+    return costs[1:]

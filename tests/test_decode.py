@@ -214,3 +214,26 @@ def test_sampled_output_distribution_matches_target(method):
     exp = exp * obs.sum() / exp.sum()
     _, pval = chisquare(obs.numpy(), exp.numpy())
     assert pval > 1e-3
+
+
+def test_primed_adaptive_gamma_follows_measured_costs():
+    """Primed with costs where each drafted token costs a full pass, a weak drafter gets γ = 0; with
+    free verification, a strong one gets the longest γ — before any step is observed."""
+    from draftwise.gamma import AdaptiveGamma
+
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=50))
+    expensive = AdaptiveGamma(4, prior_alpha=0.3, explore_every=0)
+    for k in range(5):
+        expensive.prime(1, k, 0.1 * (1 + k))
+    assert expensive.choose([seq]) == 0
+    cheap = AdaptiveGamma(4, prior_alpha=0.9, explore_every=0)
+    for k in range(5):
+        cheap.prime(1, k, 0.1)
+    assert cheap.choose([seq]) == 4
+
+
+def test_measure_forward_costs(tiny_target):
+    from draftwise.gamma import measure_forward_costs
+
+    costs = measure_forward_costs(tiny_target, 5)
+    assert len(costs) == 5 and all(c > 0 for c in costs)

@@ -92,3 +92,25 @@ def test_dense_weights_through_kernel_are_exact_and_invariant(dtype):
     full = lin(x)
     torch.testing.assert_close(full, x.double().matmul(w.double().t()).float() + lin.bias, atol=2e-3, rtol=1e-4)
     assert all(torch.equal(full[i:i + 1], lin(x[i:i + 1])) for i in range(6))
+
+
+@pytest.mark.parametrize("K", [128, 384, 576])  # 128 | K: the shuffle-free int4 step; 576: the generic one
+def test_int4_paths_match_reference_and_are_invariant(K):
+    g = torch.Generator().manual_seed(K)
+    lin = QLinear(*quantize_rtn(torch.randn(37, K, generator=g), 4, 32), 32, 4)
+    x = torch.randn(10, K, generator=g)
+    full = lin(x)
+    ref = x.double() @ dequantize(lin.q, lin.scale, lin.minv, 32, 4).double().t()
+    torch.testing.assert_close(full.double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
+    assert all(torch.equal(lin(x[i:i + 1]), full[i:i + 1]) for i in range(10))
+    assert torch.equal(lin(x[2:7]), full[2:7])
+
+
+def test_int4_without_min_offsets():
+    """Q4_0-style codes (scale only, no min): the +16·scale offset of the fast step alone."""
+    g = torch.Generator().manual_seed(1)
+    q, scale, _ = quantize_rtn(torch.randn(20, 256, generator=g), 4, 32)
+    lin = QLinear(q, scale, None, 32, 4)
+    x = torch.randn(3, 256, generator=g)
+    ref = x.double() @ dequantize(q, scale, None, 32, 4).double().t()
+    torch.testing.assert_close(lin(x).double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)

@@ -198,3 +198,14 @@ def test_long_prefill_takes_the_gemm_path_and_stays_close(hf_folder):
     ref = dw.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True), method="ar").token_ids
     for method in ("draft", "pld", "nasd"):
         assert dw.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True), method=method).token_ids == ref
+
+
+def test_draft_dtype_loads_the_draft_in_its_own_format(hf_folder):
+    from draftwise.api import SpeculativeDecoder
+    from draftwise.sampling import SamplingParams
+
+    dw = SpeculativeDecoder(str(hf_folder), str(hf_folder), dtype="fp32", draft_dtype="int8", progress=False)
+    assert dw.target.weights == "fp32" and dw.draft.weights == "int8"
+    plain = dw.generate("def quicksort", SamplingParams(temperature=0, max_tokens=12), method="ar")
+    spec = dw.generate("def quicksort", SamplingParams(temperature=0, max_tokens=12), method="draft", gamma=3)
+    assert spec.token_ids == plain.token_ids

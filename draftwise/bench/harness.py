@@ -61,6 +61,7 @@ class BenchConfig:
     target: str = DEFAULT_TARGET
     draft: str | None = DEFAULT_DRAFT
     dtype: str = "auto"
+    draft_dtype: str | None = None  # None: as dtype
     backend: str = "native"
     gamma: int | str = "auto"
     methods: list[str] = field(default_factory=lambda: list(METHODS))
@@ -101,7 +102,8 @@ class Runner:
         self.params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed)
         peers = [m for m in cfg.methods if m in PEERS]
         # the draft model is loaded lazily, by the first method that drafts with it (during warm-up)
-        self.dw = SpeculativeDecoder(cfg.target, cfg.draft, dtype=cfg.dtype, backend=cfg.backend, progress=progress)
+        self.dw = SpeculativeDecoder(cfg.target, cfg.draft, dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
+                                     backend=cfg.backend, progress=progress)
         self.peers = None
         if peers:  # loaded once, only when asked for
             from ..models import peer_dtype
@@ -256,7 +258,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args) -> BenchConfig:
-    return BenchConfig(target=args.target, draft=args.draft, dtype=args.dtype, backend=args.backend,
+    return BenchConfig(target=args.target, draft=args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                       backend=args.backend,
                        gamma=parse_gamma(args.gamma), methods=parse_methods(args.methods), prompts=args.prompts,
                        categories=[c.strip() for c in args.categories.split(",") if c.strip()]
                        if args.categories else None,

@@ -108,7 +108,7 @@ def load(args, method: str):
 
     _setup_threads(args)
     return SpeculativeDecoder(args.target, args.draft if method == "draft" else None, dtype=args.dtype,
-                              backend=args.backend)
+                              draft_dtype=args.draft_dtype, backend=args.backend)
 
 
 def cmd_serve(args) -> int:

@@ -252,8 +252,9 @@ class Engine:
     def _make_policy(self) -> GammaPolicy:
         if self.cfg.gamma_policy == "fixed":
             return FixedGamma(self.cfg.gamma)
-        return AdaptiveGamma(self.cfg.gamma, explore_every=DRAFTER_SYNC_STEPS, cap=lambda s: s.gamma_cap,
-                             ready=lambda seqs: self.drafter is not None and self.drafter.ready(seqs))
+        policy = AdaptiveGamma(self.cfg.gamma, explore_every=DRAFTER_SYNC_STEPS, cap=lambda s: s.gamma_cap,
+                               ready=lambda seqs: self.drafter is not None and self.drafter.ready(seqs))
+        return self.dw.prime(policy, self.method)
 
     def _make_decoder(self) -> Decoder:
         drafter = self.dw.make_drafter(self.method, self.rows, self.capacity, **self.cfg.drafter_options)
