@@ -113,10 +113,7 @@ class AdaptiveGamma:
                 d_tried += a + (a < asked)  # positions up to the first rejection (or missing draft)
         self._acc, self._tried = d * self._acc + d_acc, d * self._tried + d_tried
         self._proposed, self._asked_rows = d * self._proposed + d_proposed, d * self._asked_rows + d_asked
-        phi = self._features(len(accepted), self.last)  # the draft length the step really had
-        self._A = d * self._A + np.outer(phi, phi)
-        self._b = d * self._b + phi * step_s
-        self._n = d * self._n + 1.0
+        self.prime(len(accepted), self.last, step_s)  # the draft length the step really had
 
     def prime(self, B: int, k: int, seconds: float) -> None:
         """Add a measured step cost (B rows drafting k tokens each) to the cost fit without a step."""
