@@ -1,4 +1,5 @@
 """Command line: ``draftwise generate``, ``draftwise chat``, ``draftwise bench`` (bench/harness.py),
+``draftwise agreement`` (bench/agreement.py),
 ``draftwise serve`` and ``draftwise bench-serve`` (serve/cli.py).
 
 Every user error (unknown model, bad parameter, prompt too long, ...) is printed as one clear line on
@@ -79,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "report.md and plots")
     _model_args(b)
     bench_args(b)
+    from .bench.agreement import add_arguments as agreement_args
+
+    a = sub.add_parser("agreement", help="greedy agreement of weight/activation formats with an fp32 reference")
+    a.add_argument("--target", default=DEFAULT_TARGET, help=f"model (default {DEFAULT_TARGET})")
+    a.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    agreement_args(a)
     serve_cli.add_parsers(sub, _model_args, METHODS)
     return ap
 
@@ -162,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
 
             _setup_threads(args)
             return cmd_bench(args)
+        if args.command == "agreement":
+            from .bench.agreement import cmd_agreement
+
+            _setup_threads(args)
+            return cmd_agreement(args)
         if args.command in serve_cli.COMMANDS:
             return serve_cli.main(args)
     except DraftwiseError as e:

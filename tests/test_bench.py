@@ -247,3 +247,33 @@ def test_cli_end_to_end_smollm(tmp_path, prompts_file):
     assert all(r["new_tokens"] == 16 or r["finish_reason"] == "stop"
                for p in res["per_prompt"] for r in p["runs"].values())
     assert res["roofline"]["max_tokens_per_s"] > 0
+
+
+# ---- format agreement (draftwise agreement) --------------------------------------------------------------
+def test_agreement_variants_and_comparison():
+    from draftwise.bench.agreement import Variant, common_prefix, compare
+
+    assert Variant.parse("gguf") == Variant("gguf", "int8")
+    assert Variant.parse("int4:fp32") == Variant("int4", "fp32")
+    assert Variant.parse("bf16") == Variant("bf16", "fp32")
+    for bad in ("q3", "int4:int2"):
+        with pytest.raises(InvalidParameterError):
+            Variant.parse(bad)
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
+    r = compare([[1, 2, 3, 4], [5, 6]], [[1, 2, 3, 4], [5, 7]])
+    assert r == {"identical": 0.5, "prefix_share": 0.75, "prompts": 2}
+
+
+def test_agreement_command_on_a_tiny_model(hf_folder, prompts_file, tmp_path, capsys):
+    """End to end: an int8-weight variant against the fp32 reference; the fp32 variant agrees with itself."""
+    from draftwise.cli import main
+
+    rc = main(["agreement", "--target", str(hf_folder), "--prompts", str(prompts_file), "--limit", "1",
+               "--max-tokens", "6", "--variants", "int8:int8,int8:fp32,fp32", "--out", str(tmp_path / "a")])
+    assert rc == 0
+    res = json.loads((tmp_path / "a" / "agreement.json").read_text())
+    assert set(res["variants"]) == {"fp32:fp32", "int8:int8", "int8:fp32"}
+    assert res["variants"]["fp32:fp32"]["identical"] == 1.0
+    assert all(0.0 <= v["prefix_share"] <= 1.0 and v["tokens_per_s"] > 0 for v in res["variants"].values())
+    assert "identical continuations" in capsys.readouterr().out
+    assert main(["agreement", "--target", str(hf_folder), "--variants", "q3"]) == 2

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from draftwise.kernels import QLinear, dequantize, extension, quantize_rtn
+from draftwise.kernels import QLinear, dequantize, extension, quantize_activations, quantize_rtn
 from draftwise.kernels.gguf_quant import parse
 
 CASES = [(8, 16), (8, 32), (4, 32)]
@@ -14,7 +14,8 @@ CASES = [(8, 16), (8, 32), (4, 32)]
 
 @pytest.mark.parametrize("bits,group", CASES)
 @pytest.mark.parametrize("with_min", [False, True])
-def test_kernel_matches_dequantized_matmul(bits, group, with_min):
+@pytest.mark.parametrize("act_bits", [32, 8])
+def test_kernel_matches_dequantized_matmul(bits, group, with_min, act_bits):
     g = torch.Generator().manual_seed(bits * 100 + group)
     w = torch.randn(72, 256, generator=g)
     q, scale, minv = quantize_rtn(w, bits, group)
@@ -23,16 +24,22 @@ def test_kernel_matches_dequantized_matmul(bits, group, with_min):
     if not with_min:
         minv = None
     lin = QLinear(q, scale, minv, group, bits, bias=torch.randn(72, generator=g))
+    lin.act_bits = act_bits
     x = torch.randn(11, 256, generator=g)
-    ref = x @ dequantize(q, scale, minv, group, bits).t() + lin.bias
+    xr = quantize_activations(x) if act_bits == 8 else x  # int8 activations: the values the kernel multiplies
+    ref = xr @ dequantize(q, scale, minv, group, bits).t() + lin.bias
     torch.testing.assert_close(lin(x), ref, atol=2e-4, rtol=2e-4)
+    if act_bits == 8:  # and they are not the fp32 result (the int8 path really ran)
+        assert not torch.allclose(lin(x), x @ dequantize(q, scale, minv, group, bits).t() + lin.bias, atol=1e-3)
 
 
 @pytest.mark.parametrize("bits,group", CASES)
-def test_kernel_is_batch_invariant(bits, group):
+@pytest.mark.parametrize("act_bits", [32, 8])
+def test_kernel_is_batch_invariant(bits, group, act_bits):
     """A row's result does not depend on how many rows share the call (incl. >8-row chunking)."""
     g = torch.Generator().manual_seed(7)
     lin = QLinear(*quantize_rtn(torch.randn(40, 128, generator=g), bits, group), group, bits)
+    lin.act_bits = act_bits
     x = torch.randn(13, 128, generator=g)
     full = lin(x)
     for i in range(13):
@@ -95,22 +102,51 @@ def test_dense_weights_through_kernel_are_exact_and_invariant(dtype):
 
 
 @pytest.mark.parametrize("K", [128, 384, 576])  # 128 | K: the shuffle-free int4 step; 576: the generic one
-def test_int4_paths_match_reference_and_are_invariant(K):
+@pytest.mark.parametrize("act_bits", [32, 8])
+def test_int4_paths_match_reference_and_are_invariant(K, act_bits):
     g = torch.Generator().manual_seed(K)
     lin = QLinear(*quantize_rtn(torch.randn(37, K, generator=g), 4, 32), 32, 4)
+    lin.act_bits = act_bits
     x = torch.randn(10, K, generator=g)
     full = lin(x)
-    ref = x.double() @ dequantize(lin.q, lin.scale, lin.minv, 32, 4).double().t()
+    xr = quantize_activations(x) if act_bits == 8 and K % 128 == 0 else x  # 576: no VNNI step, fp32
+    ref = xr.double() @ dequantize(lin.q, lin.scale, lin.minv, 32, 4).double().t()
     torch.testing.assert_close(full.double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
     assert all(torch.equal(lin(x[i:i + 1]), full[i:i + 1]) for i in range(10))
     assert torch.equal(lin(x[2:7]), full[2:7])
 
 
-def test_int4_without_min_offsets():
-    """Q4_0-style codes (scale only, no min): the +16·scale offset of the fast step alone."""
+@pytest.mark.parametrize("act_bits", [32, 8])
+def test_int4_without_min_offsets(act_bits):
+    """Q4_0-style codes (scale only, no min): the +16·scale offset of the fp32 step alone, no offset at all
+    on the int8 one."""
     g = torch.Generator().manual_seed(1)
     q, scale, _ = quantize_rtn(torch.randn(20, 256, generator=g), 4, 32)
     lin = QLinear(q, scale, None, 32, 4)
+    lin.act_bits = act_bits
     x = torch.randn(3, 256, generator=g)
-    ref = x.double() @ dequantize(q, scale, None, 32, 4).double().t()
+    xr = quantize_activations(x) if act_bits == 8 else x
+    ref = xr.double() @ dequantize(q, scale, None, 32, 4).double().t()
     torch.testing.assert_close(lin(x).double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
+
+
+def test_int8_activations_edge_cases():
+    """All-zero blocks (scale 0), a block with one huge value, and int8 codes at both ends of their range."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-128, 128, (24, 128), generator=g, dtype=torch.int8)
+    q[0], q[1] = -128, 127
+    scale, minv = torch.rand(24, 8, generator=g), torch.randn(24, 8, generator=g)
+    lin = QLinear(q, scale, minv, 16, 8)
+    lin.act_bits = 8
+    x = torch.randn(4, 128, generator=g)
+    x[0, :32] = 0.0
+    x[1, 40] = 1e4
+    ref = quantize_activations(x).double() @ dequantize(q, scale, minv, 16, 8).double().t()
+    torch.testing.assert_close(lin(x).double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
+def test_quantize_activations_error_is_bounded():
+    x = torch.randn(5, 256)
+    err = (quantize_activations(x) - x).abs().view(5, 8, 32)
+    bound = x.abs().view(5, 8, 32).amax(-1, keepdim=True) / 254 * (1 + 1e-6)  # half a step of max|x| / 127
+    assert (err <= bound).all()

@@ -1,5 +1,7 @@
 """Weight-only quantized linear layers for CPU decoding (int8 / int4 groupwise, or dense bf16 / fp32;
-fp32 activations and accumulation; batch-invariant).
+batch-invariant). Quantized weights multiply int8 activations (per-row blocks of 32, as llama.cpp does)
+on AVX512-VNNI; ``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps fp32 activations instead (slower, for measuring
+what the activation rounding costs). Dense weights always take fp32 activations.
 
 The C++ kernel (qmm.cpp) is compiled on first use with torch's extension builder (-O3 -march=native,
 cached under ~/.cache/torch_extensions). Where it cannot be built, a pure-torch path computes the same
@@ -19,6 +21,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 _mode = threading.local()
+ACT_BLOCK = 32  # activations are quantized per row in blocks of this many values
 BULK_MIN_ROWS = 64  # bulk (prefill) calls with more rows than this take the dequantize + bf16 gemm path
 
 
@@ -52,7 +55,7 @@ def extension():
             try:
                 from torch.utils.cpp_extension import load
 
-                _ext = load(name="draftwise_qmm", sources=[str(Path(__file__).with_name("qmm.cpp"))],
+                _ext = load(name="draftwise_qmm", sources=[str(Path(__file__).with_name(f)) for f in ("qmm.cpp", "attention.cpp")],
                             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
                             extra_ldflags=["-fopenmp"],
                             verbose=False)
@@ -60,6 +63,28 @@ def extension():
                 log.warning("draftwise: quantized kernel unavailable (%s); using the slower torch path", e)
                 _ext_failed = True
     return _ext
+
+
+def activation_bits() -> int:
+    """8 (int8 activations where the kernel has a VNNI path) unless DRAFTWISE_EXACT_ACTIVATIONS=1."""
+    return 32 if os.environ.get("DRAFTWISE_EXACT_ACTIVATIONS") == "1" else 8
+
+
+def set_activation_bits(model: nn.Module, bits: int) -> None:
+    """Run every quantized linear of ``model`` with int8 (8) or fp32 (32) activations."""
+    for m in model.modules():
+        if isinstance(m, QLinear) and m.bits in (4, 8):
+            m.act_bits = bits
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """(M, K) fp32 → the fp32 values the int8-activation kernel multiplies by: per row and block of 32,
+    round(x · 127 / max|x|) · max|x| / 127 (the reference its tests compare against)."""
+    M, K = x.shape
+    b = x.float().view(M, K // ACT_BLOCK, ACT_BLOCK)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(b * inv) * (amax / 127.0)).view(M, K)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int) -> torch.Tensor:
@@ -93,6 +118,7 @@ class QLinear(nn.Module):
         self.register_buffer("minv", (minv if minv is not None else torch.empty(0)).float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self._dense: torch.Tensor | None = None  # fallback only
+        self.act_bits = activation_bits() if bits in (4, 8) else 32
 
     @classmethod
     def dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "QLinear":
@@ -111,7 +137,7 @@ class QLinear(nn.Module):
             y = (x2.to(torch.bfloat16) @ w.t()).float()
         elif ext is not None:
             scale, minv = self.scale.float(), self.minv.float()  # no-ops unless someone called .to(dtype)
-            y = ext.qmm(x2, self.q, scale, minv, self.group, self.bits)
+            y = ext.qmm(x2, self.q, scale, minv, self.group, self.bits, self.act_bits)
         else:
             if self._dense is None:
                 self._dense = dequantize(self.q, self.scale, self.minv, self.group, self.bits)
