@@ -150,3 +150,15 @@ def test_quantize_activations_error_is_bounded():
     err = (quantize_activations(x) - x).abs().view(5, 8, 32)
     bound = x.abs().view(5, 8, 32).amax(-1, keepdim=True) / 254 * (1 + 1e-6)  # half a step of max|x| / 127
     assert (err <= bound).all()
+
+
+@pytest.mark.parametrize("bits,group", CASES)
+def test_bf16_dequantize_for_long_prefills_matches_reference(bits, group):
+    """The C++ de-quantization the bulk (long prefill) path uses equals the torch reference, bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    q, scale, minv = quantize_rtn(torch.randn(40, 256, generator=g), bits, group)
+    minv = minv if minv is not None else torch.randn(scale.shape, generator=g) * 0.1
+    ref = dequantize(q, scale, minv, group, bits).to(torch.bfloat16)
+    assert torch.equal(extension().dequantize_bf16(q, scale, minv, group, bits), ref)
+    assert torch.equal(extension().dequantize_bf16(q, scale, torch.empty(0), group, bits),
+                       dequantize(q, scale, None, group, bits).to(torch.bfloat16))

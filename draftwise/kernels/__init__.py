@@ -55,7 +55,7 @@ def extension():
             try:
                 from torch.utils.cpp_extension import load
 
-                _ext = load(name="draftwise_qmm", sources=[str(Path(__file__).with_name(f)) for f in ("qmm.cpp", "attention.cpp")],
+                _ext = load(name="draftwise_qmm", sources=[str(Path(__file__).with_name(f)) for f in ("qmm.cpp", "layers.cpp")],
                             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
                             extra_ldflags=["-fopenmp"],
                             verbose=False)
@@ -133,7 +133,10 @@ class QLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1]).float().contiguous()  # (M, K)
         ext = extension()
         if getattr(_mode, "bulk", False) and x2.shape[0] > BULK_MIN_ROWS:
-            w = dequantize(self.q, self.scale, self.minv, self.group, self.bits).to(torch.bfloat16)  # (N, K)
+            if ext is not None and self.bits in (4, 8):
+                w = ext.dequantize_bf16(self.q, self.scale.float(), self.minv.float(), self.group, self.bits)  # (N, K)
+            else:
+                w = dequantize(self.q, self.scale, self.minv, self.group, self.bits).to(torch.bfloat16)
             y = (x2.to(torch.bfloat16) @ w.t()).float()
         elif ext is not None:
             scale, minv = self.scale.float(), self.minv.float()  # no-ops unless someone called .to(dtype)

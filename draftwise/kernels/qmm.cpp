@@ -407,10 +407,56 @@ torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::
   return out;
 }
 
+// (N, K) bf16 weights from the code (w = scale * q - minv in fp32, rounded to nearest even), for the bulk
+// (long-prefill) path that multiplies them with torch's bf16 GEMM. Parallel over rows, 16 weights per step.
+torch::Tensor dequantize_bf16(torch::Tensor q, torch::Tensor scale, torch::Tensor minv, int64_t G, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "dequantize_bf16: int4 / int8 codes");
+  TORCH_CHECK(q.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == torch::kFloat32, "contiguous");
+  const int64_t N = q.size(0), K = q.size(1) * (bits == 4 ? 2 : 1), ng = K / G;
+  TORCH_CHECK(K % 32 == 0 && G % 16 == 0 && K % G == 0, "dequantize_bf16: group layout");
+  const bool has_min = minv.numel() > 0;
+  auto out = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kBFloat16));
+  const uint8_t* qp = (const uint8_t*)q.data_ptr();
+  const float* sp = scale.data_ptr<float>();
+  const float* mp = has_min ? minv.data_ptr<float>() : nullptr;
+  uint16_t* op = (uint16_t*)out.data_ptr();
+  const int64_t qrow = K * bits / 8;
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* qn = qp + n * qrow;
+      uint16_t* on = op + n * K;
+      for (int64_t k = 0; k < K; k += 16) {
+        float v[16];
+        if (bits == 4) {  // per 32-group: byte j holds q[j] (low nibble) and q[j + 16] (high)
+          const uint8_t* b = qn + (k / 32) * 16;
+          const bool high = (k % 32) == 16;
+          for (int j = 0; j < 16; ++j) v[j] = (float)(high ? b[j] >> 4 : b[j] & 15);
+        } else {
+          for (int j = 0; j < 16; ++j) v[j] = (float)(int8_t)qn[k + j];
+        }
+        const float sc = sp[n * ng + k / G], mn = mp ? mp[n * ng + k / G] : 0.f;
+        for (int j = 0; j < 16; ++j) {
+          float w = sc * v[j] - mn;
+          uint32_t u;
+          std::memcpy(&u, &w, 4);
+          u += 0x7FFF + ((u >> 16) & 1);  // round to nearest even (weights are finite)
+          on[k + j] = (uint16_t)(u >> 16);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                                torch::Tensor v_cache, std::vector<int64_t> start, int64_t nh, int64_t nkv);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "weight-only quantized matmul (CPU)");
-  m.def("decode_attention", &decode_attention, "rotary + KV append + attention for short forwards (attention.cpp)");
+  m.def("dequantize_bf16", &dequantize_bf16, "int4 / int8 code -> (N, K) bf16 weights");
+  m.def("decode_attention", &decode_attention, "rotary + KV append + attention for short forwards (layers.cpp)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, fp32 (layers.cpp)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] projection, fp32 (layers.cpp)");
 }

@@ -1,5 +1,8 @@
-// Rotary embedding + KV-cache append + attention for short forwards (decode and verification), fp32.
-// Replaces ~35 small torch ops per layer with one call. Each (row, token, head) is computed by the same
+// The small fp32 layers of a decoder step, fused: each replaces several torch ops whose per-call overhead
+// (not their arithmetic) dominated a batch-1 step. All are row-wise, so batch-invariant.
+//
+// decode_attention: rotary embedding + KV-cache append + attention for short forwards (decode and
+// verification); replaces ~35 small torch ops per layer with one call. Each (row, token, head) is computed by the same
 // instruction sequence over exactly the keys that token sees (the cached prefix plus the new tokens up
 // to itself), whatever the number of new tokens T: the result is batch-invariant, so verifying k tokens
 // at once gives bit-identical outputs to decoding them one by one.
@@ -92,5 +95,47 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
       }
     }
   });
+  return out;
+}
+
+// x: (M, D) f32, weight: (D) f32 -> weight * x / sqrt(mean(x^2) + eps), row by row
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && weight.scalar_type() == torch::kFloat32,
+              "rms_norm: contiguous f32");
+  const int64_t D = x.size(-1), M = x.numel() / D;
+  TORCH_CHECK(weight.numel() == D, "rms_norm: weight size");
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = xp + m * D;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < D; ++j) ss += r[j] * r[j];
+    const float inv = 1.0f / std::sqrt(ss / (float)D + (float)eps);
+    float* o = op + m * D;
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) o[j] = w[j] * (r[j] * inv);
+  }
+  return out;
+}
+
+// gu: (..., 2F) f32 = [gate | up] -> silu(gate) * up, (..., F)
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.scalar_type() == torch::kFloat32 && gu.is_contiguous(), "silu_mul: contiguous f32");
+  const int64_t F2 = gu.size(-1), F = F2 / 2, M = gu.numel() / F2;
+  auto sizes = gu.sizes().vec();
+  sizes.back() = F;
+  auto out = torch::empty(sizes, gu.options());
+  const float* g = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* a = g + m * F2;
+    const float* b = a + F;
+    float* o = op + m * F;
+#pragma omp simd
+    for (int64_t j = 0; j < F; ++j) o[j] = a[j] / (1.0f + std::exp(-a[j])) * b[j];
+  }
   return out;
 }
