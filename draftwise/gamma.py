@@ -78,6 +78,7 @@ class AdaptiveGamma:
         self._explore_next = 0
         self._asked: list[tuple[Sequence, int, int]] = []  # (row, drafts asked, its drafted count before)
         self.last = self.best = max_gamma
+        self._prev_k = max_gamma  # γ of the step before the latest
         self.predicted = 0.0
 
     # ---- GammaPolicy -----------------------------------------------------------------------------
@@ -113,7 +114,12 @@ class AdaptiveGamma:
                 d_tried += a + (a < asked)  # positions up to the first rejection (or missing draft)
         self._acc, self._tried = d * self._acc + d_acc, d * self._tried + d_tried
         self._proposed, self._asked_rows = d * self._proposed + d_proposed, d * self._asked_rows + d_asked
-        self.prime(len(accepted), self.last, step_s)  # the draft length the step really had
+        # A step that drafts right after steps that did not pays for the drafter catching up on every token
+        # it skipped (a draft model's cache), which is not the cost of drafting k tokens: leave it out of
+        # the fit, or one exploration after a run of γ = 0 steps makes drafting look expensive for good.
+        if not (self._prev_k == 0 and self.last > 0):
+            self.prime(len(accepted), self.last, step_s)  # the draft length the step really had
+        self._prev_k = self.last
 
     def prime(self, B: int, k: int, seconds: float) -> None:
         """Add a measured step cost (B rows drafting k tokens each) to the cost fit without a step."""

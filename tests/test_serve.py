@@ -517,3 +517,29 @@ def test_cli_serve_process(hf_folder):
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+
+
+def test_adaptive_gamma_is_not_trapped_by_draft_catch_up_costs():
+    """A draft model skipped for m steps feeds those m tokens through itself on its next draft. Counting
+    that as the cost of drafting made one exploration after a run of γ = 0 steps look twice as expensive
+    as drafting is, and kept γ at 0 for good (seen on Spec-Bench: α 0.87, τ 1.05). Such steps stay out
+    of the cost fit, so the fit holds the steady cost and a good draft (α 0.8) gets used."""
+    rng = random.Random(0)
+    policy = AdaptiveGamma(8, explore_every=16)
+    for k in range(9):  # primed: a target pass costs 60 ms + 12 ms per extra token, a draft token 28 ms
+        policy.prime(1, k, 0.060 + 0.040 * k)
+    seqs = [Sequence([1, 2, 3], SamplingParams(max_tokens=10_000))]
+    chosen, skipped = [], 0
+    for _ in range(400):
+        k = policy.choose(seqs)
+        keff = policy.last
+        chosen.append(keff)
+        n = 0
+        while n < keff and rng.random() < 0.8:
+            n += 1
+        seqs[0].stats.record_step(keff, n)
+        catch_up = 0.05 + 0.01 * skipped if keff and skipped else 0.0  # one draft pass over the skipped tokens
+        skipped = 0 if keff else skipped + 1
+        policy.observe(k, [n], (0.060 + 0.040 * keff + catch_up) * rng.uniform(0.95, 1.05))
+    assert policy.cost(1, 1) == pytest.approx(0.100, rel=0.1)  # without the rule: ~0.22
+    assert sorted(chosen[-200:])[100] >= 1  # without the rule: 0

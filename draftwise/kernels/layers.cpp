@@ -2,10 +2,10 @@
 // (not their arithmetic) dominated a batch-1 step. All are row-wise, so batch-invariant.
 //
 // decode_attention: rotary embedding + KV-cache append + attention for short forwards (decode and
-// verification); replaces ~35 small torch ops per layer with one call. Each (row, token, head) is computed by the same
-// instruction sequence over exactly the keys that token sees (the cached prefix plus the new tokens up
-// to itself), whatever the number of new tokens T: the result is batch-invariant, so verifying k tokens
-// at once gives bit-identical outputs to decoding them one by one.
+// verification); replaces ~35 small torch ops per layer with one call. Each (row, token, head) is
+// computed by the same instruction sequence over exactly the keys that token sees (the cached prefix
+// plus the new tokens up to itself), whatever the number of new tokens T: the result is batch-invariant,
+// so verifying k tokens at once gives bit-identical outputs to decoding them one by one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
