@@ -289,6 +289,21 @@ bool w4_path(int64_t bits, int64_t K, int64_t G) {
 
 }  // namespace
 
+// f(qn, sn, mn, m0, mb, on) for every weight row n (rows split across threads) and every block of up to
+// MB_MAX rows of x starting at m0: qn / sn / mn point at row n's codes, scales and mins (mn may be null),
+// on at out[m0, n]. Every kernel path shares this loop, so each computes a row the same way for any M.
+template <typename F>
+void for_row_blocks(int64_t N, int64_t M, const uint8_t* qp, int64_t qrow, const float* sp, const float* mp,
+                    int64_t ng, float* op, F&& f) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* mn = mp ? mp + n * ng : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += MB_MAX)
+        f(qp + n * qrow, sp + n * ng, mn, m0, (int)std::min<int64_t>(MB_MAX, M - m0), op + m0 * N + n);
+    }
+  });
+}
+
 // x: (M, K) f32; q: (N, K) int8 or (N, K/2) uint8; scale, minv: (N, K/G) f32 (minv may be empty).
 // act_bits = 8: int8 activations on VNNI where the format allows (vnni_path), else fp32 activations.
 torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minv, int64_t G,
@@ -317,25 +332,16 @@ torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::
                                     : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const float extra = int4 ? 0.f : 128.f;  // int8 codes run as q + 128
     const float* mp = has_min ? minv.data_ptr<float>() : nullptr;
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* qn = qp + n * qrow;
-        const float* sn = sp + n * ng;
-        const float* mn = mp ? mp + n * ng : nullptr;
-        for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
-          const int mb = (int)std::min<int64_t>(MB_MAX, M - m0);
-          float* on = op + m0 * N + n;
-          const int8_t* xq = a.q.data() + m0 * K;
-          const float* xl = a.lane.data() + m0 * lw;
-          with_rows(mb, [&](auto c) {
-            constexpr int R = decltype(c)::value;
-            if (int4) row_kernel_vnni<R, true>(xq, xl, K, qn, sn, mn, sidx, sstep, on, N);
-            else row_kernel_vnni<R, false>(xq, xl, K, qn, sn, mn, sidx, sstep, on, N);
-          });
-          if (mn || extra != 0.f)
-            for (int i = 0; i < mb; ++i) on[i * N] -= offset_dot(mn, sn, extra, a.gsum.data() + (m0 + i) * ng, ng);
-        }
-      }
+    for_row_blocks(N, M, qp, qrow, sp, mp, ng, op, [&](auto qn, auto sn, auto mn, int64_t m0, int mb, float* on) {
+      const int8_t* xq = a.q.data() + m0 * K;
+      const float* xl = a.lane.data() + m0 * lw;
+      with_rows(mb, [&](auto c) {
+        constexpr int R = decltype(c)::value;
+        if (int4) row_kernel_vnni<R, true>(xq, xl, K, qn, sn, mn, sidx, sstep, on, N);
+        else row_kernel_vnni<R, false>(xq, xl, K, qn, sn, mn, sidx, sstep, on, N);
+      });
+      if (mn || extra != 0.f)
+        for (int i = 0; i < mb; ++i) on[i * N] -= offset_dot(mn, sn, extra, a.gsum.data() + (m0 + i) * ng, ng);
     });
     return out;
   }
@@ -353,18 +359,9 @@ torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::
       }
     }
     const float* mp = has_min ? minv.data_ptr<float>() : nullptr;
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* qn = qp + n * qrow;
-        const float* sn = sp + n * ng;
-        const float* mn = mp ? mp + n * ng : nullptr;
-        for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
-          const int mb = (int)std::min<int64_t>(MB_MAX, M - m0);
-          float* on = op + m0 * N + n;
-          with_rows(mb, [&](auto c) { row_kernel_w4<decltype(c)::value>(xw + m0 * K, K, qn, sn, on, N); });
-          for (int i = 0; i < mb; ++i) on[i * N] -= offset_dot(mn, sn, 16.f, xsv.data() + (m0 + i) * ng, ng);
-        }
-      }
+    for_row_blocks(N, M, qp, qrow, sp, mp, ng, op, [&](auto qn, auto sn, auto mn, int64_t m0, int mb, float* on) {
+      with_rows(mb, [&](auto c) { row_kernel_w4<decltype(c)::value>(xw + m0 * K, K, qn, sn, on, N); });
+      for (int i = 0; i < mb; ++i) on[i * N] -= offset_dot(mn, sn, 16.f, xsv.data() + (m0 + i) * ng, ng);
     });
     return out;
   }
@@ -382,27 +379,18 @@ torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::
   }
   const float* mp = has_min ? minv.data_ptr<float>() : nullptr;
   const float* xsp = has_min ? xs.data_ptr<float>() : nullptr;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
-        const int mb = (int)std::min<int64_t>(MB_MAX, M - m0);
-        const float* mn = mp ? mp + n * ng : nullptr;
-        const float* xsm = xsp ? xsp + m0 * ng : nullptr;
-        const uint8_t* qn = qp + n * qrow;
-        const float* sn = sp + n * ng;
-        float* on = op + m0 * N + n;
-        const float* xm = xp + m0 * K;
-        with_rows(mb, [&](auto c) {
-          constexpr int R = decltype(c)::value;
-          switch (bits) {
-            case 4: row_kernel<R, 4>(xm, K, qn, sn, mn, xsm, G, on, N); break;
-            case 8: row_kernel<R, 8>(xm, K, qn, sn, mn, xsm, G, on, N); break;
-            case 16: row_kernel<R, 16>(xm, K, qn, sn, mn, xsm, G, on, N); break;
-            default: row_kernel<R, 32>(xm, K, qn, sn, mn, xsm, G, on, N); break;
-          }
-        });
+  for_row_blocks(N, M, qp, qrow, sp, mp, ng, op, [&](auto qn, auto sn, auto mn, int64_t m0, int mb, float* on) {
+    const float* xsm = xsp ? xsp + m0 * ng : nullptr;
+    const float* xm = xp + m0 * K;
+    with_rows(mb, [&](auto c) {
+      constexpr int R = decltype(c)::value;
+      switch (bits) {
+        case 4: row_kernel<R, 4>(xm, K, qn, sn, mn, xsm, G, on, N); break;
+        case 8: row_kernel<R, 8>(xm, K, qn, sn, mn, xsm, G, on, N); break;
+        case 16: row_kernel<R, 16>(xm, K, qn, sn, mn, xsm, G, on, N); break;
+        default: row_kernel<R, 32>(xm, K, qn, sn, mn, xsm, G, on, N); break;
       }
-    }
+    });
   });
   return out;
 }
