@@ -132,14 +132,14 @@ class QLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float().contiguous()  # (M, K)
         ext = extension()
+        scale, minv = self.scale.float(), self.minv.float()  # no-ops unless someone called .to(dtype)
         if getattr(_mode, "bulk", False) and x2.shape[0] > BULK_MIN_ROWS:
             if ext is not None and self.bits in (4, 8):
-                w = ext.dequantize_bf16(self.q, self.scale.float(), self.minv.float(), self.group, self.bits)  # (N, K)
+                w = ext.dequantize_bf16(self.q, scale, minv, self.group, self.bits)  # (N, K)
             else:
-                w = dequantize(self.q, self.scale, self.minv, self.group, self.bits).to(torch.bfloat16)
+                w = dequantize(self.q, scale, minv, self.group, self.bits).to(torch.bfloat16)
             y = (x2.to(torch.bfloat16) @ w.t()).float()
         elif ext is not None:
-            scale, minv = self.scale.float(), self.minv.float()  # no-ops unless someone called .to(dtype)
             y = ext.qmm(x2, self.q, scale, minv, self.group, self.bits, self.act_bits)
         else:
             if self._dense is None:

@@ -24,6 +24,12 @@ from .base import KVCache, LogitsFor, ModelConfig, ModelOutput
 EXACT_MAX_T = 32  # forwards of at most this many new tokens use the row-by-row (invariant) attention
 
 
+def _fused_ops(t: torch.Tensor):
+    """The compiled layer ops (kernels/layers.cpp) when ``t`` (..., T, D) is fp32 activations of a short
+    forward (decode or verification, T <= EXACT_MAX_T) and the kernel is built; else None (torch ops)."""
+    return extension() if t.dtype == torch.float32 and t.shape[-2] <= EXACT_MAX_T else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -31,10 +37,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32 and x.shape[-2] <= EXACT_MAX_T:
-            ext = extension()
-            if ext is not None:  # one fused call (fp32 decode steps)
-                return ext.rms_norm(x.contiguous(), self.weight, self.eps)
+        ext = _fused_ops(x) if self.weight.dtype == torch.float32 else None
+        if ext is not None:  # one fused call
+            return ext.rms_norm(x.contiguous(), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -75,13 +80,12 @@ class Attention(nn.Module):
         # x: (B, T, D); cos/sin: (B, T, hd); k_cache/v_cache: (B, nkv, cap, hd); start[b] = row b's length
         B, T, _ = x.shape
         qkv = self.qkv(x)  # (B, T, (nh + 2 nkv) hd)
-        if (attn_mask is None and T <= EXACT_MAX_T and qkv.dtype == k_cache.dtype == torch.float32
-                and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            ext = extension()
-            if ext is not None:  # the same computation as below, fused: one call instead of ~35 ops
-                out = ext.decode_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
-                                           start, self.nh, self.nkv)  # (B, T, nh hd)
-                return self.o(out)
+        ext = _fused_ops(qkv) if attn_mask is None and k_cache.dtype == torch.float32 else None
+        if ext is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
+            # the same computation as below, fused: one call instead of ~35 ops
+            out = ext.decode_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
+                                       start, self.nh, self.nkv)  # (B, T, nh hd)
+            return self.o(out)
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q = q.view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
@@ -128,10 +132,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)  # (B, T, 2 F)
-        if gu.dtype == torch.float32 and gu.shape[-2] <= EXACT_MAX_T:
-            ext = extension()
-            if ext is not None:
-                return self.down(ext.silu_mul(gu.contiguous()))
+        ext = _fused_ops(gu)
+        if ext is not None:
+            return self.down(ext.silu_mul(gu.contiguous()))
         gate, up = gu.split(self.ffn, dim=-1)
         return self.down(F.silu(gate) * up)
 
