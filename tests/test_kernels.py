@@ -1,21 +1,62 @@
-"""The int8/int4 weight-only kernel and the exact GGUF block decoding feeding it."""
+"""The int8/int4 weight-only kernel on every instruction-set path this CPU has, and the exact GGUF block
+decoding feeding it. Paths the CPU lacks are skipped with the reason; every path must compute the same
+bits as the scalar reference (the rule in draftwise/kernels/csrc/qmm.h)."""
 
 from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from draftwise.kernels import QLinear, dequantize, extension, quantize_activations, quantize_rtn
+from draftwise.kernels import (ISAS, QLinear, available_isas, dequantize, extension, isa, quantize_activations,
+                               quantize_rtn, using_isa)
 from draftwise.kernels.gguf_quant import parse
 
 CASES = [(8, 16), (8, 32), (4, 32)]
+KERNELS = Path(__file__).resolve().parents[1] / "draftwise" / "kernels"
+# checksums printed by csrc/selftest.cpp: the scalar reference's outputs, which every path on every CPU
+# and architecture must reproduce bit for bit (x86 here, AArch64 under qemu-user)
+GOLDEN = {
+    "int4-g32-min-K256": "bd67b0cc55128b9f", "int4-g32-K192": "e1ea4b7203c71079",
+    "int4-g32-min-K576": "16e589defa3cc61b", "int8-g16-K512": "e946fb7ebee36af8",
+    "int8-g32-min-K224": "454c5301c26e7dee", "int8-g32-K96": "f25ed0b365513d31",
+    "int4-g32-min-f32": "cde3aa550dfbc555", "int8-g16-f32": "853cec546635f707",
+    "int8-g32-min-f32": "55c56369582ee678", "bf16-dense": "793e4fdbae01d022", "fp32-dense": "04ae06b98aa381e6",
+    "layers": "485e940ff23acc4f",
+}
+
+
+def _path_param(name: str):
+    return pytest.param(name, id=name)
+
+
+# the paths of this architecture (the other's are checked by the qemu test below)
+_ARCH_ISAS = [n for n in ISAS if n == "scalar" or n.startswith("neon") == (platform.machine().lower() in ("aarch64", "arm64"))]
+
+
+@pytest.fixture(params=[_path_param(n) for n in _ARCH_ISAS])
+def path(request):
+    """Run the test on one instruction-set path (skipped where this CPU or build lacks it)."""
+    if extension() is None:
+        pytest.skip("the C++ kernel is not built here")
+    if request.param not in available_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} path (has: {', '.join(available_isas())})")
+    with using_isa(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("bits,group", CASES)
 @pytest.mark.parametrize("with_min", [False, True])
 @pytest.mark.parametrize("act_bits", [32, 8])
-def test_kernel_matches_dequantized_matmul(bits, group, with_min, act_bits):
+def test_kernel_matches_dequantized_matmul(path, bits, group, with_min, act_bits):
     g = torch.Generator().manual_seed(bits * 100 + group)
     w = torch.randn(72, 256, generator=g)
     q, scale, minv = quantize_rtn(w, bits, group)
@@ -35,8 +76,8 @@ def test_kernel_matches_dequantized_matmul(bits, group, with_min, act_bits):
 
 @pytest.mark.parametrize("bits,group", CASES)
 @pytest.mark.parametrize("act_bits", [32, 8])
-def test_kernel_is_batch_invariant(bits, group, act_bits):
-    """A row's result does not depend on how many rows share the call (incl. >8-row chunking)."""
+def test_kernel_is_batch_invariant(path, bits, group, act_bits):
+    """A row's result does not depend on how many rows share the call (incl. row-block chunking)."""
     g = torch.Generator().manual_seed(7)
     lin = QLinear(*quantize_rtn(torch.randn(40, 128, generator=g), bits, group), group, bits)
     lin.act_bits = act_bits
@@ -47,8 +88,96 @@ def test_kernel_is_batch_invariant(bits, group, act_bits):
     assert torch.equal(lin(x[3:9]), full[3:9])
 
 
+def _every_format(g: torch.Generator) -> list[tuple[str, QLinear, int]]:
+    """(name, layer, K) for every weight format and tail shape the kernel has."""
+    out = []
+    for bits, group, K in [(4, 32, 384), (4, 32, 576), (4, 32, 192), (8, 16, 512), (8, 32, 224), (8, 32, 96)]:
+        q, s, m = quantize_rtn(torch.randn(45, K, generator=g), bits, group)
+        if m is None:
+            m = torch.randn(s.shape, generator=g) * 0.01
+        out.append((f"int{bits}-g{group}-K{K}", QLinear(q, s, m, group, bits), K))
+        out.append((f"int{bits}-g{group}-K{K}-nomin", QLinear(q, s, None, group, bits), K))
+    for dtype in (torch.bfloat16, torch.float32):
+        out.append((f"dense-{dtype}", QLinear.dense(torch.randn(33, 272, generator=g).to(dtype)), 272))
+    return out
+
+
+def test_every_path_gives_the_reference_bits(path):
+    """The same bits as the scalar reference, for every format, both activation kinds, any row count."""
+    g = torch.Generator().manual_seed(42)
+    for name, lin, K in _every_format(g):
+        x = torch.randn(10, K, generator=g) * 3
+        x[0, :32] = 0  # an all-zero activation block
+        x[1, 7] = 1e4  # a block with one huge value
+        for act_bits in (8, 32):
+            lin.act_bits = act_bits if lin.bits in (4, 8) else 32
+            got = lin(x)
+            with using_isa("scalar"):
+                ref = lin(x)
+                ref1 = lin(x[4:5])
+            assert torch.equal(got, ref), f"{name} act {act_bits}: {path} differs from the scalar reference"
+            assert torch.equal(lin(x[4:5]), ref1), f"{name} act {act_bits}: one row differs on {path}"
+
+
 def test_kernel_builds_here():
     assert extension() is not None, "the C++ kernel should compile on these machines"
+    assert isa() in available_isas() and isa() != "none"
+
+
+def test_best_path_is_chosen_by_default():
+    """Without DRAFTWISE_ISA the widest path the CPU supports runs (the scalar path only on CPUs with no SIMD
+    path compiled in)."""
+    if os.environ.get("DRAFTWISE_ISA"):
+        pytest.skip("DRAFTWISE_ISA is set for this run")
+    order = ["avx512vnni", "avx512", "avxvnni", "avx2", "neondot", "neon", "scalar"]
+    best = next(n for n in order if n in available_isas())
+    assert isa() == best
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env})
+
+
+def test_draftwise_isa_forces_a_lower_path():
+    """DRAFTWISE_ISA picks the path at load; a path the CPU lacks (or a typo) is one clear error."""
+    r = _python("from draftwise.kernels import isa; print(isa())", DRAFTWISE_ISA="scalar")
+    assert r.returncode == 0 and r.stdout.strip() == "scalar", r.stderr
+    r = _python("from draftwise.kernels import isa; print(isa())", DRAFTWISE_ISA="avx9000")
+    assert r.returncode != 0 and "DRAFTWISE_ISA='avx9000'" in r.stderr and "available here" in r.stderr
+
+
+def test_set_isa_rejects_unknown_paths():
+    from draftwise.errors import InvalidParameterError
+    from draftwise.kernels import set_isa
+
+    with pytest.raises(InvalidParameterError, match="unknown or this CPU cannot run it"):
+        set_isa("sse1")
+
+
+def _selftest_checksums(out: str) -> dict[str, str]:
+    return dict(re.findall(r"^(\S+)\s+([0-9a-f]{16}) ok$", out, flags=re.M))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+def test_selftest_native_paths_bit_identical(tmp_path):
+    """The torch-free core's own test: every path of this CPU equals the reference, and the reference's
+    checksums are the pinned ones (so the ARM run below is compared with exactly these bits)."""
+    r = subprocess.run([str(KERNELS / "build_selftest.sh"), "native", str(tmp_path / "selftest")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _selftest_checksums(r.stdout) == GOLDEN
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
+                    reason="ARM check needs g++-aarch64-linux-gnu and qemu-user (apt-get install ...)")
+def test_selftest_arm_neon_paths_bit_identical_under_qemu(tmp_path):
+    """NEON and NEON-dotprod (AArch64, emulated) compute the same bits as the x86 paths."""
+    r = subprocess.run([str(KERNELS / "build_selftest.sh"), "aarch64", str(tmp_path / "selftest-arm")],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "paths: scalar neon neondot" in r.stdout
+    assert _selftest_checksums(r.stdout) == GOLDEN
 
 
 def test_int4_rtn_error_is_small():
@@ -89,7 +218,7 @@ def test_unsupported_format_returns_none():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_dense_weights_through_kernel_are_exact_and_invariant(dtype):
+def test_dense_weights_through_kernel_are_exact_and_invariant(path, dtype):
     """Dense bf16/fp32 weights: fp32 accumulation of the exact weights, row-invariant (torch's own bf16
     matmul is not, for some shapes: K = 8960 on this CPU)."""
     g = torch.Generator().manual_seed(3)
@@ -101,15 +230,15 @@ def test_dense_weights_through_kernel_are_exact_and_invariant(dtype):
     assert all(torch.equal(full[i:i + 1], lin(x[i:i + 1])) for i in range(6))
 
 
-@pytest.mark.parametrize("K", [128, 384, 576])  # 128 | K: the shuffle-free int4 step; 576: the generic one
+@pytest.mark.parametrize("K", [128, 384, 576, 64])  # 576, 64: a 32-byte last step
 @pytest.mark.parametrize("act_bits", [32, 8])
-def test_int4_paths_match_reference_and_are_invariant(K, act_bits):
+def test_int4_paths_match_reference_and_are_invariant(path, K, act_bits):
     g = torch.Generator().manual_seed(K)
     lin = QLinear(*quantize_rtn(torch.randn(37, K, generator=g), 4, 32), 32, 4)
     lin.act_bits = act_bits
     x = torch.randn(10, K, generator=g)
     full = lin(x)
-    xr = quantize_activations(x) if act_bits == 8 and K % 128 == 0 else x  # 576: no VNNI step, fp32
+    xr = quantize_activations(x) if act_bits == 8 else x
     ref = xr.double() @ dequantize(lin.q, lin.scale, lin.minv, 32, 4).double().t()
     torch.testing.assert_close(full.double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
     assert all(torch.equal(lin(x[i:i + 1]), full[i:i + 1]) for i in range(10))
@@ -117,9 +246,8 @@ def test_int4_paths_match_reference_and_are_invariant(K, act_bits):
 
 
 @pytest.mark.parametrize("act_bits", [32, 8])
-def test_int4_without_min_offsets(act_bits):
-    """Q4_0-style codes (scale only, no min): the +16·scale offset of the fp32 step alone, no offset at all
-    on the int8 one."""
+def test_int4_without_min_offsets(path, act_bits):
+    """Q4_0-style codes (scale only, no min): no offset term at all."""
     g = torch.Generator().manual_seed(1)
     q, scale, _ = quantize_rtn(torch.randn(20, 256, generator=g), 4, 32)
     lin = QLinear(q, scale, None, 32, 4)
@@ -130,7 +258,7 @@ def test_int4_without_min_offsets(act_bits):
     torch.testing.assert_close(lin(x).double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
 
 
-def test_int8_activations_edge_cases():
+def test_int8_activations_edge_cases(path):
     """All-zero blocks (scale 0), a block with one huge value, and int8 codes at both ends of their range."""
     g = torch.Generator().manual_seed(5)
     q = torch.randint(-128, 128, (24, 128), generator=g, dtype=torch.int8)

@@ -1,18 +1,24 @@
 """Weight-only quantized linear layers for CPU decoding (int8 / int4 groupwise, or dense bf16 / fp32;
-batch-invariant). Quantized weights multiply int8 activations (per-row blocks of 32, as llama.cpp does)
-on AVX512-VNNI; ``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps fp32 activations instead (slower, for measuring
-what the activation rounding costs). Dense weights always take fp32 activations.
+batch-invariant). Quantized weights multiply int8 activations (per-row blocks of 32, as llama.cpp does);
+``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps fp32 activations instead (slower, for measuring what the
+activation rounding costs). Dense weights always take fp32 activations.
 
-The C++ kernel (qmm.cpp) is compiled on first use with torch's extension builder (-O3 -march=native,
-cached under ~/.cache/torch_extensions). Where it cannot be built, a pure-torch path computes the same
-thing (slower). ``QLinear`` is a drop-in for ``nn.Linear`` in the native model.
+The C++ kernel (``csrc/``: one file per instruction set, the scalar reference beside them, see
+``csrc/qmm.h`` for the numeric rule they share) is compiled on first use with torch's extension
+builder, without ``-march=native``: each instruction-set file carries its own target, and the path is
+chosen at run time from what the CPU reports (``isa()``; ``DRAFTWISE_ISA`` forces a lower one). Every
+path computes the same bits, so the same GGUF gives the same tokens on every CPU. Where the kernel
+cannot be built, a pure-torch path computes the same products (not bit-identical; slower).
+``QLinear`` is a drop-in for ``nn.Linear`` in the native model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 
@@ -40,33 +46,113 @@ def bulk(enabled: bool = True):
 _ext = None
 _ext_lock = threading.Lock()
 _ext_failed = False
+_ext_error = ""
+CSRC = Path(__file__).with_name("csrc")
+# No -march=native: each instruction-set file sets its own target and the path is picked at run time, so
+# a build made on one CPU runs on any other of the same architecture (no SIGILL when a home directory
+# moves between machines). No -ffast-math, and no contraction of a * b + c into an FMA the source did not
+# ask for: the numeric rule (csrc/qmm.h) is the same on every path only if the compiler keeps every
+# operation as written.
+CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+ISAS = ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "neon", "neondot")  # + "vnni", "auto"
+
+
+def kernel_sources() -> list[Path]:
+    return sorted(p for p in CSRC.glob("*.cpp") if p.name != "selftest.cpp")
+
+
+def build_name() -> str:
+    """The extension's cache name: architecture + a hash of the sources and flags, so that a build of
+    other sources, flags or another architecture (a home directory shared between machines) is never
+    loaded in place of this one."""
+    h = hashlib.sha256(" ".join(CFLAGS).encode())
+    for p in kernel_sources() + sorted(CSRC.glob("*.h")):
+        h.update(p.name.encode() + p.read_bytes())
+    return f"draftwise_kernels_{platform.machine().lower()}_{h.hexdigest()[:12]}"
 
 
 def extension():
     """The compiled kernel module, or None when it cannot be built here."""
-    global _ext, _ext_failed
+    global _ext, _ext_failed, _ext_error
     if _ext is not None or _ext_failed:
         return _ext
     with _ext_lock:
         if _ext is None and not _ext_failed:
             if os.environ.get("DRAFTWISE_NO_KERNELS") == "1":
-                _ext_failed = True
+                _ext_failed, _ext_error = True, "disabled by DRAFTWISE_NO_KERNELS=1"
                 return None
             try:
                 from torch.utils.cpp_extension import load
 
-                _ext = load(name="draftwise_qmm", sources=[str(Path(__file__).with_name(f)) for f in ("qmm.cpp", "layers.cpp")],
-                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
-                            extra_ldflags=["-fopenmp"],
+                _ext = load(name=build_name(), sources=[str(p) for p in kernel_sources()],
+                            extra_include_paths=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                             verbose=False)
             except Exception as e:  # no compiler, no ninja, ...
                 log.warning("draftwise: quantized kernel unavailable (%s); using the slower torch path", e)
-                _ext_failed = True
+                _ext_failed, _ext_error = True, str(e).splitlines()[0] if str(e) else type(e).__name__
+                return None
+            forced = os.environ.get("DRAFTWISE_ISA", "").strip()
+            if forced and not _ext.set_isa(forced):
+                from ..errors import InvalidParameterError
+
+                have = ", ".join(_ext.available_isas())
+                raise InvalidParameterError(f"DRAFTWISE_ISA={forced!r}: this CPU cannot run that path, or it is unknown "
+                                            f"(available here: {have}; also 'vnni', 'auto')")
     return _ext
 
 
+def isa() -> str:
+    """The instruction-set path the kernel uses ('none' when it is not built)."""
+    ext = extension()
+    return ext.isa() if ext is not None else "none"
+
+
+def available_isas() -> list[str]:
+    """Paths compiled in and supported by this CPU, lowest first (empty when the kernel is not built)."""
+    ext = extension()
+    return list(ext.available_isas()) if ext is not None else []
+
+
+def set_isa(name: str) -> None:
+    """Run the kernel on path ``name`` from now on (process-wide), e.g. to test the AVX2 path on an
+    AVX-512 machine. Raises InvalidParameterError when this CPU cannot run it."""
+    from ..errors import InvalidParameterError
+
+    ext = extension()
+    if ext is None:
+        raise InvalidParameterError(f"the kernel is not built here ({_ext_error})")
+    if not ext.set_isa(name):
+        raise InvalidParameterError(f"ISA path {name!r} is unknown or this CPU cannot run it "
+                                    f"(available: {', '.join(ext.available_isas())})")
+
+
+@contextlib.contextmanager
+def using_isa(name: str):
+    """Within this block the kernel runs on path ``name`` (tests)."""
+    prev = isa()
+    set_isa(name)
+    try:
+        yield
+    finally:
+        set_isa(prev)
+
+
+def kernel_info() -> dict:
+    """What ``draftwise info`` prints: CPU features, the chosen path, whether the kernel built."""
+    ext = extension()
+    info = {"machine": platform.machine(), "kernel_built": ext is not None, "build": build_name(),
+            "isa": isa(), "available_isas": available_isas(),
+            "forced_by_env": os.environ.get("DRAFTWISE_ISA") or None,
+            "activations": "fp32" if activation_bits() == 32 else "int8"}
+    if ext is not None:
+        info["cpu_features"] = ext.cpu_features().split()
+    else:
+        info["error"] = _ext_error
+    return info
+
+
 def activation_bits() -> int:
-    """8 (int8 activations where the kernel has a VNNI path) unless DRAFTWISE_EXACT_ACTIVATIONS=1."""
+    """8 (int8 activations for int4 / int8 codes, on every path) unless DRAFTWISE_EXACT_ACTIVATIONS=1."""
     return 32 if os.environ.get("DRAFTWISE_EXACT_ACTIVATIONS") == "1" else 8
 
 

@@ -5,9 +5,10 @@ gate/up are fused into one matmul each, which halves the per-token kernel launch
 
 Numerics: decoding must be *batch-invariant* — the logits of a token must not depend on how many other
 tokens share its forward pass — or speculative decoding would not be token-identical to plain decoding.
-On this CPU, bf16 matmuls are row-invariant; attention is made invariant by computing short forwards
-(decode, verification: T <= EXACT_MAX_T) one query row at a time over exactly the keys it sees, i.e. the
-same call plain decoding makes. Long prefills take one batched SDPA call per sequence.
+Linear layers run the kernel (kernels/csrc), whose rule computes each row the same way for any row count
+and on every instruction set; attention is made invariant by computing short forwards (decode,
+verification: T <= EXACT_MAX_T) one query row at a time over exactly the keys it sees, i.e. the same call
+plain decoding makes. Long prefills take one batched SDPA call per sequence.
 """
 
 from __future__ import annotations
@@ -46,10 +47,14 @@ class RMSNorm(nn.Module):
 
 
 class Rotary:
-    """cos/sin tables (positions, head_dim) in float32, grown on demand."""
+    """cos/sin tables (positions, head_dim) in float32, grown on demand.
+
+    Computed in float64 and rounded once: torch's float32 cos/sin are vectorized differently per
+    instruction set (AVX2 vs AVX-512 builds of SLEEF), and the tables must be the same bits on every
+    CPU for the same GGUF to give the same tokens everywhere."""
 
     def __init__(self, head_dim: int, theta: float):
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         self.cos = torch.empty(0, head_dim)
         self.sin = torch.empty(0, head_dim)
 
@@ -57,9 +62,9 @@ class Rotary:
         need = int(positions.max()) + 1
         if need > self.cos.shape[0]:
             n = max(need, 2 * self.cos.shape[0], 256)
-            freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)  # (n, hd/2)
+            freqs = torch.outer(torch.arange(n, dtype=torch.float64), self.inv_freq)  # (n, hd/2)
             emb = torch.cat([freqs, freqs], dim=-1)  # (n, hd)
-            self.cos, self.sin = emb.cos(), emb.sin()
+            self.cos, self.sin = emb.cos().float(), emb.sin().float()
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # (B, T, hd)
 
 

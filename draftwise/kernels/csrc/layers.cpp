@@ -1,0 +1,154 @@
+// The small fp32 layers of a decoder step, fused: each replaces several torch ops whose per-call overhead
+// (not their arithmetic) dominated a batch-1 step. Plain C++ written in a fixed operation order (16-lane
+// partial sums where a reduction is long, combined by the same tree as the matmul) and compiled without
+// contraction or reassociation, so every CPU and every vector width computes the same bits. exp is our own
+// polynomial: libm's expf is not the same function on every system.
+//
+// All are row-wise, so batch-invariant: attention computes each (row, token, head) over exactly the keys
+// that token sees (the cached prefix plus the new tokens up to itself), whatever the number of new tokens
+// T, so verifying k tokens at once gives bit-identical outputs to decoding them one by one.
+#include <cmath>
+#include <cstring>
+
+#include "qmm.h"
+
+namespace dw {
+
+namespace {
+
+inline float tree16(const float* a) {
+  float b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) b[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
+  for (int i = 0; i < 2; ++i) d[i] = c[i] + c[i + 2];
+  return d[0] + d[1];
+}
+
+inline float dot16(const float* a, const float* b, int64_t n) {  // n % 16 == 0 or any n (lanes j % 16)
+  float acc[16] = {0};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int l = 0; l < 16; ++l) acc[l] = acc[l] + a[j + l] * b[j + l];
+  for (; j < n; ++j) acc[j % 16] = acc[j % 16] + a[j] * b[j];
+  return tree16(acc);
+}
+
+// x (hd) <- rotate(x), HF's rotate_half convention: x * cos + cat(-x[h:], x[:h]) * sin
+inline void rope(float* x, const float* c, const float* s, int64_t hd) {
+  const int64_t h = hd / 2;
+  for (int64_t j = 0; j < h; ++j) {
+    const float a = x[j], b = x[j + h];
+    x[j] = a * c[j] - b * s[j];
+    x[j + h] = b * c[j + h] + a * s[j + h];
+  }
+}
+
+}  // namespace
+
+float dw_exp(float x) {
+  if (x != x) return x;
+  if (x > 88.72283f) return INFINITY;
+  if (x < -103.972f) return 0.f;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;     // ln 2 split in two: n * C1 is exact
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;         // Cephes expf minimax polynomial on |r| <= ln2 / 2
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * (r * r) + r) + 1.0f;
+  return std::ldexp(y, (int)n);  // exact scaling
+}
+
+void rms_norm(const float* x, const float* w, int64_t M, int64_t D, float eps, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * D;
+    const float inv = 1.0f / std::sqrt(dot16(r, r, D) / (float)D + eps);
+    float* o = out + m * D;
+    for (int64_t j = 0; j < D; ++j) o[j] = w[j] * (r[j] * inv);
+  }
+}
+
+void silu_mul(const float* gu, int64_t M, int64_t F, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* a = gu + m * 2 * F;
+    const float* b = a + F;
+    float* o = out + m * F;
+    for (int64_t j = 0; j < F; ++j) o[j] = a[j] / (1.0f + dw_exp(-a[j])) * b[j];
+  }
+}
+
+void rope_append(float* qkv, const float* cos, const float* sin, float* kc, float* vc, const int64_t* start,
+                 int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap) {
+  const int64_t W = (nh + 2 * nkv) * hd;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = qkv + (b * T + t) * W;
+      const float* c = cos + (b * T + t) * hd;
+      const float* s = sin + (b * T + t) * hd;
+      for (int64_t h = 0; h < nh + nkv; ++h) rope(row + h * hd, c, s, hd);
+      for (int64_t h = 0; h < nkv; ++h) {
+        const int64_t at = ((b * nkv + h) * cap + start[b] + t) * hd;
+        std::memcpy(kc + at, row + (nh + h) * hd, hd * sizeof(float));
+        std::memcpy(vc + at, row + (nh + nkv + h) * hd, hd * sizeof(float));
+      }
+    }
+}
+
+void attend_items(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
+                  int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1, float* p) {
+  const int64_t W = (nh + 2 * nkv) * hd, g = nh / nkv;
+  const float scale = 1.0f / std::sqrt((float)hd);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / (T * nh), t = (i / nh) % T, h = i % nh, kvh = h / g;
+    const int64_t S = start[b] + t + 1;
+    const float* q = qkv + (b * T + t) * W + h * hd;
+    const float* K = kc + (b * nkv + kvh) * cap * hd;
+    const float* V = vc + (b * nkv + kvh) * cap * hd;
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < S; ++s) {
+      p[s] = dot16(q, K + s * hd, hd) * scale;
+      mx = p[s] > mx ? p[s] : mx;
+    }
+    float sum[16] = {0};
+    for (int64_t s = 0; s < S; ++s) {
+      p[s] = dw_exp(p[s] - mx);
+      sum[s % 16] = sum[s % 16] + p[s];
+    }
+    const float inv = 1.0f / tree16(sum);
+    float* o = out + (b * T + t) * nh * hd + h * hd;
+    for (int64_t j = 0; j < hd; ++j) o[j] = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+      const float w = p[s] * inv;
+      const float* v = V + s * hd;
+      for (int64_t j = 0; j < hd; ++j) o[j] = o[j] + w * v[j];
+    }
+  }
+}
+
+void dequantize_bf16_rows(const uint8_t* q, const float* scale, const float* minv, int64_t K, int64_t G,
+                          int64_t bits, uint16_t* out, int64_t n0, int64_t n1) {
+  const int64_t ng = K / G, qrow = K * bits / 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qn = q + n * qrow;
+    uint16_t* on = out + n * K;
+    for (int64_t k = 0; k < K; ++k) {
+      float v;
+      if (bits == 4) {
+        const int64_t j = k % 32, b = (k / 32) * 16;
+        v = (float)(j < 16 ? (qn[b + j] & 15) : (qn[b + j - 16] >> 4));
+      } else {
+        v = (float)(int8_t)qn[k];
+      }
+      const float w = scale[n * ng + k / G] * v - (minv ? minv[n * ng + k / G] : 0.f);
+      uint32_t u;
+      std::memcpy(&u, &w, 4);
+      u += 0x7FFF + ((u >> 16) & 1);  // round to nearest even (weights are finite)
+      on[k] = (uint16_t)(u >> 16);
+    }
+  }
+}
+
+}  // namespace dw

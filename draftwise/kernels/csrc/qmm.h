@@ -1,0 +1,133 @@
+// draftwise CPU kernels: the numeric rule every instruction-set path implements, and the dispatch table.
+//
+// out = x @ dequant(W)^T for W held per output row n as groups of G consecutive input weights with an
+// affine code w[n, k] = scale[n, g] * q[n, k] - minv[n, g], g = k / G. q: int8 (one byte per weight) or
+// uint4 (two per byte: in each 32-weight group, byte j holds q[j] in its low nibble and q[j + 16] in its
+// high nibble). Dense bf16 / fp32 weights are one group per row with scale 1 (bits = 16 / 32).
+//
+// THE RULE (bit-identical on every path: scalar, AVX2, AVX-VNNI, AVX-512, AVX512-VNNI, NEON, NEON dotprod)
+//
+// int8 activations (act_bits = 8, quantized codes):
+//   1. Each row of x is quantized in blocks of 32: sx = amax / 127, qx = nearbyint(x * (127 / amax)).
+//      qx is stored in kernel order (act_position): for int4 codes the 64 activations multiplying the low
+//      nibbles of a 64-byte step first, then the 64 multiplying the high nibbles.
+//   2. Codes are read in steps of 64 bytes (the last step of a row may be 32 bytes). Lane d (0..15) of a
+//      step is the exact int32 sum over code bytes 4d..4d+3 of q * qx (int4: low-nibble and high-nibble
+//      products of those bytes). A lane never straddles a weight group or an activation block.
+//   3. Per lane: s = ws[d] * xs[d] (weight-group scale times activation-block scale, one rounding), then
+//      acc[d] = fma(float(I[d]), s, acc[d]), steps in order. r = tree16(acc).
+//   4. Affine offset (minv present): c[g % 16] = fma(minv[g], gs[g], c[g % 16]) over groups in order, where
+//      gs[g] = sx(block of g) * float(sum of qx over group g). out = r - tree16(c), else out = r.
+// fp32 activations (act_bits = 32, or dense weights):
+//   part[l] = fma chain over the group's k with k % 16 == l (in k order, from 0) of x[k] * q[k];
+//   acc[l] = fma(part[l], scale[g], acc[l]); r = tree16(acc); offset c[g % 16] = fma(minv[g], xsum[g], ..)
+//   with xsum[g] the in-order float sum of x over the group; out = r - tree16(c).
+// tree16(a): b[i] = a[i] + a[i + 8]; c[i] = b[i] + b[i + 4]; d[i] = c[i] + c[i + 2]; result d[0] + d[1].
+//
+// Every row of x is computed by the same operation sequence whatever the number of rows M, so results
+// are batch-invariant, and speculative verification stays token-exact. Integer products are exact on
+// every path (no saturation: |qx| <= 127; int8 codes use |q| with the sign moved onto qx, or a -128 * sum
+// start for the unsigned dot products), and all float operations are explicit: the sources are compiled
+// with -ffp-contract=off and without -ffast-math, so no compiler may fuse or reorder them.
+//
+// This header has no dependency on torch: the core compiles and is tested on its own (selftest.cpp),
+// including for aarch64 under qemu-user.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace dw {
+
+constexpr int64_t ACT_BLOCK = 32;  // activations are quantized per row in blocks of 32 values
+constexpr int64_t STEP_BYTES = 64;  // code bytes per step (16 lanes of 4 bytes)
+constexpr int LANES = 16;
+
+// Quantized activations for one call (M rows), built once per call by quantize_act (qmm_ref.cpp).
+struct ActQ8 {
+  const int8_t* q;      // (M, K) qx in kernel order
+  const float* lane;    // (M, nsteps * 16) activation scale of each lane of each step
+  const int32_t* bias;  // (M, nsteps * 16) -128 * (sum of the lane's 4 qx), for unsigned dot products of int8 codes
+  const float* gs;      // (M, K / G) sx * float(sum of qx over the group), for the affine offset
+};
+
+struct QmmArgs {
+  int64_t M, K, N, G, bits;  // bits: 4 / 8 codes, 16 (bf16) / 32 (fp32) dense
+  const uint8_t* q;          // (N, K * bits / 8) codes
+  const float* scale;        // (N, K / G)
+  const float* minv;         // (N, K / G) or null
+  // int8-activation path
+  ActQ8 act;
+  // fp32-activation path
+  const float* x;     // (M, K) natural order
+  const float* xsum;  // (M, K / G) in-order sum of x per group (only read when minv)
+  float* out;         // (M, N)
+};
+
+// One instruction-set path: computes output columns n0..n1 for all M rows.
+struct IsaOps {
+  const char* name;
+  void (*qmm_q8)(const QmmArgs& a, int64_t n0, int64_t n1);   // int8 activations (q8_supported)
+  void (*qmm_f32)(const QmmArgs& a, int64_t n0, int64_t n1);  // fp32 activations
+};
+
+// int8 activations apply when the code rows split into whole 32-byte half steps
+inline bool q8_supported(int64_t bits, int64_t K, int64_t G) {
+  return (bits == 4 && K % 64 == 0 && G == 32) || (bits == 8 && K % 32 == 0 && (G == 16 || G == 32));
+}
+
+inline int64_t nsteps(int64_t K, int64_t bits) { return (K * bits / 8 + STEP_BYTES - 1) / STEP_BYTES; }
+
+// natural activation index k -> its position in the quantized row (kernel order)
+inline int64_t act_position(int64_t k, int64_t K, bool int4) {
+  if (!int4) return k;
+  const int64_t base = k - k % 128, w = k % 128, width = (K - base) < 128 ? (K - base) : 128;  // 128 or 64
+  const int64_t g = w / 32, j = w % 32;
+  return base + (j < 16 ? 16 * g + j : width / 2 + 16 * g + j - 16);
+}
+
+// Sizes of the ActQ8 buffers for (M, K, G, bits)
+struct ActQ8Sizes { int64_t q, lane, gs; };
+ActQ8Sizes act_sizes(int64_t M, int64_t K, int64_t G, int64_t bits);
+// Fill caller-provided buffers (sizes from act_sizes). Plain C++; the same bits on every CPU.
+void quantize_act(const float* x, int64_t M, int64_t K, int64_t G, int64_t bits, int8_t* q, float* lane,
+                  int32_t* bias, float* gs);
+// (M, K / G) in-order group sums of x (fp32-activation offsets)
+void group_sums(const float* x, int64_t M, int64_t K, int64_t G, float* xsum);
+
+// ---- paths ----
+extern const IsaOps kScalar;  // the reference: the rule written out in plain C++
+const IsaOps* avx2_ops();      // null when not compiled in (non-x86 build, old compiler)
+const IsaOps* avxvnni_ops();
+const IsaOps* avx512_ops();
+const IsaOps* avx512vnni_ops();
+const IsaOps* neon_ops();
+const IsaOps* neondot_ops();
+
+// ---- dispatch (dispatch.cpp) ----
+// Names, best last: scalar avx2 avxvnni avx512 avx512vnni | scalar neon neondot
+const char* cpu_features();            // e.g. "avx2 fma f16c" as found by cpuid / getauxval
+int available_paths(const char** names, int cap);  // compiled in AND supported by this CPU
+const IsaOps* path_by_name(const char* name);      // null if unknown, not compiled or not supported
+const IsaOps* active();                // DRAFTWISE_ISA (if set) else the best available
+// Force a path ("vnni" = the best VNNI path; "auto" = best). Returns false (and changes nothing) when
+// the name is unknown or this CPU cannot run it.
+bool set_active(const char* name);
+
+// ---- the whole matmul on one thread range (dispatching on the active path) ----
+void qmm_columns(const IsaOps* ops, const QmmArgs& a, bool q8, int64_t n0, int64_t n1);
+
+// ---- fused layer ops (layers.cpp): portable, fixed-order, same bits everywhere ----
+float dw_exp(float x);  // exp with a fixed polynomial (libm's expf differs between builds)
+void rms_norm(const float* x, const float* w, int64_t M, int64_t D, float eps, float* out);
+void silu_mul(const float* gu, int64_t M, int64_t F, float* out);
+void rope_append(float* qkv, const float* cos, const float* sin, float* kc, float* vc, const int64_t* start,
+                 int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap);
+// attention of item i in [0, B * T * nh) (row b, token t, head h) over its start[b] + t + 1 keys
+void attend_items(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
+                  int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1,
+                  float* scratch /* >= max keys */);
+// (N, K) bf16 bits of w = scale * q - minv (rounded to nearest even), rows n0..n1
+void dequantize_bf16_rows(const uint8_t* q, const float* scale, const float* minv, int64_t K, int64_t G,
+                          int64_t bits, uint16_t* out, int64_t n0, int64_t n1);
+
+}  // namespace dw

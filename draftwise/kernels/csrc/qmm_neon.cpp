@@ -1,0 +1,14 @@
+// ARM NEON path without the dot-product extension (any AArch64 CPU). The kernel is neon.h.
+#include "qmm.h"
+#if defined(__aarch64__)
+#define DW_DOT 0
+#include "neon.h"
+namespace dw {
+const IsaOps* neon_ops() {
+  static const IsaOps ops = {"neon", qmm_q8, qmm_f32};
+  return &ops;
+}
+}  // namespace dw
+#else
+namespace dw { const IsaOps* neon_ops() { return nullptr; } }
+#endif

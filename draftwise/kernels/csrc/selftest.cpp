@@ -1,0 +1,168 @@
+// Stand-alone check of the kernel core, without torch: every path this CPU can run must compute the same
+// bits as the scalar reference, for every weight format and both activation kinds, and for any number of
+// rows (batch invariance). Prints one checksum per case; the checksums are the same on every CPU and
+// architecture (tests/test_kernels.py pins them, and the ARM build is checked under qemu-user, see
+// README "Kernels"). Build: see draftwise/kernels/build_selftest.sh. Exit status 1 on any mismatch.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "qmm.h"
+
+namespace {
+
+uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+uint32_t next_u32() {  // xorshift64*: the same stream everywhere
+  rng_state ^= rng_state >> 12, rng_state ^= rng_state << 25, rng_state ^= rng_state >> 27;
+  return (uint32_t)((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+float next_f() { return ((float)(next_u32() >> 8) / 16777216.0f) * 2.0f - 1.0f; }  // exact, in [-1, 1)
+
+uint64_t fnv(const void* p, size_t n, uint64_t h = 1469598103934665603ull) {
+  const uint8_t* b = (const uint8_t*)p;
+  for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+struct Case {
+  const char* name;
+  int64_t N, K, G, bits;
+  bool minv;
+  int act_bits;
+};
+
+// out (M, N) of one case on one path
+std::vector<float> run(const dw::IsaOps* ops, const Case& c, const std::vector<uint8_t>& q, const std::vector<float>& s,
+                       const std::vector<float>& mn, const std::vector<float>& x, int64_t M) {
+  dw::QmmArgs a{};
+  a.M = M, a.K = c.K, a.N = c.N, a.G = c.G, a.bits = c.bits;
+  a.q = q.data(), a.scale = s.data(), a.minv = c.minv ? mn.data() : nullptr, a.x = x.data();
+  std::vector<float> out(M * c.N);
+  a.out = out.data();
+  const bool q8 = c.act_bits == 8 && dw::q8_supported(c.bits, c.K, c.G);
+  const dw::ActQ8Sizes sz = dw::act_sizes(M, c.K, c.G, c.bits);
+  std::vector<int8_t> xq(sz.q);
+  std::vector<float> lane(sz.lane), gs(sz.gs), xsum(M * (c.K / c.G));
+  std::vector<int32_t> bias(sz.lane);
+  if (q8) {
+    dw::quantize_act(x.data(), M, c.K, c.G, c.bits, xq.data(), lane.data(), bias.data(), gs.data());
+    a.act = {xq.data(), lane.data(), bias.data(), gs.data()};
+  } else {
+    dw::group_sums(x.data(), M, c.K, c.G, xsum.data());
+    a.xsum = xsum.data();
+  }
+  dw::qmm_columns(ops, a, q8, 0, c.N / 2);  // two column ranges, as threads would split them
+  dw::qmm_columns(ops, a, q8, c.N / 2, c.N);
+  return out;
+}
+
+}  // namespace
+
+int main() {
+  const Case cases[] = {
+      {"int4-g32-min-K256", 37, 256, 32, 4, true, 8},  {"int4-g32-K192", 21, 192, 32, 4, false, 8},
+      {"int4-g32-min-K576", 19, 576, 32, 4, true, 8},  {"int8-g16-K512", 29, 512, 16, 8, false, 8},
+      {"int8-g32-min-K224", 23, 224, 32, 8, true, 8},  {"int8-g32-K96", 17, 96, 32, 8, false, 8},
+      {"int4-g32-min-f32", 21, 320, 32, 4, true, 32},  {"int8-g16-f32", 19, 256, 16, 8, false, 32},
+      {"int8-g32-min-f32", 13, 224, 32, 8, true, 32},  {"bf16-dense", 11, 272, 272, 16, false, 32},
+      {"fp32-dense", 9, 160, 160, 32, false, 32},
+  };
+  const char* names[16];
+  const int npaths = dw::available_paths(names, 16);
+  std::printf("cpu: %s\npaths:", dw::cpu_features());
+  for (int p = 0; p < npaths; ++p) std::printf(" %s", names[p]);
+  std::printf("\n");
+  int failures = 0;
+  for (const Case& c : cases) {
+    const int64_t M = 13, ng = c.K / c.G, rowbytes = c.K * c.bits / 8;
+    std::vector<uint8_t> q(c.N * rowbytes);
+    if (c.bits == 32 || c.bits == 16) {  // dense weights: finite values in [-1, 1)
+      for (int64_t i = 0; i < c.N * c.K; ++i) {
+        const float f = next_f();
+        if (c.bits == 32) std::memcpy(q.data() + 4 * i, &f, 4);
+        else { uint32_t u; std::memcpy(&u, &f, 4); const uint16_t h = (uint16_t)(u >> 16); std::memcpy(q.data() + 2 * i, &h, 2); }
+      }
+    } else {
+      for (auto& b : q) b = (uint8_t)next_u32();
+      if (c.bits == 8) { q[0] = 0x80; q[1] = 0x7F; }  // int8 codes at both ends of their range
+    }
+    std::vector<float> s(c.N * ng), mn(c.N * ng), x(M * c.K);
+    for (auto& v : s) v = c.bits >= 16 ? 1.0f : 0.01f + 0.02f * std::fabs(next_f());
+    for (auto& v : mn) v = 0.1f * next_f();
+    for (auto& v : x) v = next_f() * 3.0f;
+    for (int64_t k = 0; k < 32 && k < c.K; ++k) x[k] = 0.f;  // an all-zero activation block
+    x[c.K + 5] = 1e4f;                                        // a block with one huge value
+    const std::vector<float> ref = run(&dw::kScalar, c, q, s, mn, x, M);
+    bool ok = true;
+    for (int p = 0; p < npaths; ++p) {
+      const dw::IsaOps* ops = dw::path_by_name(names[p]);
+      if (std::memcmp(run(ops, c, q, s, mn, x, M).data(), ref.data(), ref.size() * 4)) {
+        std::printf("MISMATCH %s on path %s\n", c.name, names[p]);
+        ok = false;
+      }
+      for (int64_t m : {0, 5, 12}) {  // batch invariance: one row alone gives the same bits
+        std::vector<float> xr(x.begin() + m * c.K, x.begin() + (m + 1) * c.K);
+        if (std::memcmp(run(ops, c, q, s, mn, xr, 1).data(), ref.data() + m * c.N, c.N * 4)) {
+          std::printf("NOT BATCH-INVARIANT %s on path %s (row %lld)\n", c.name, names[p], (long long)m);
+          ok = false;
+        }
+      }
+    }
+    // a loose check of the reference itself against a double-precision dot product
+    double err = 0, mag = 0;
+    for (int64_t n = 0; n < c.N; ++n) {
+      double d = 0;
+      for (int64_t k = 0; k < c.K; ++k) {
+        double w;
+        if (c.bits == 32) { float f; std::memcpy(&f, q.data() + n * rowbytes + 4 * k, 4); w = f; }
+        else if (c.bits == 16) { uint32_t u = (uint32_t)(q[n * rowbytes + 2 * k] | (q[n * rowbytes + 2 * k + 1] << 8)) << 16; float f; std::memcpy(&f, &u, 4); w = f; }
+        else if (c.bits == 8) w = (int8_t)q[n * rowbytes + k];
+        else { const int64_t j = k % 32, b = n * rowbytes + (k / 32) * 16; w = j < 16 ? (q[b + j] & 15) : (q[b + j - 16] >> 4); }
+        w = w * s[n * ng + k / c.G] - (c.minv ? mn[n * ng + k / c.G] : 0.0);
+        d += w * x[2 * c.K + k];  // row 2
+      }
+      err = std::fmax(err, std::fabs(d - ref[2 * c.N + n]));
+      mag = std::fmax(mag, std::fabs(d));
+    }
+    const double tol = c.act_bits == 8 ? 0.02 : 1e-4;  // int8 activations round x to 1/254 of a block's max
+    if (!(err <= tol * mag)) { std::printf("INACCURATE %s: max error %g of %g\n", c.name, err, mag); ok = false; }
+    std::printf("%-20s %016llx %s\n", c.name, (unsigned long long)fnv(ref.data(), ref.size() * 4), ok ? "ok" : "FAIL");
+    failures += !ok;
+  }
+  // fused layer ops (one implementation, portable: pinned by checksum)
+  {
+    const int64_t B = 2, T = 3, nh = 4, nkv = 2, hd = 64, cap = 16, D = 96, F = 80;
+    std::vector<float> x(B * T * D), w(D), out(B * T * D), gu(B * T * 2 * F), o2(B * T * F);
+    for (auto& v : x) v = next_f();
+    for (auto& v : w) v = next_f();
+    for (auto& v : gu) v = next_f() * 8.0f;
+    dw::rms_norm(x.data(), w.data(), B * T, D, 1e-6f, out.data());
+    dw::silu_mul(gu.data(), B * T, F, o2.data());
+    const int64_t W = (nh + 2 * nkv) * hd;
+    std::vector<float> qkv(B * T * W), cs(B * T * hd), sn(B * T * hd), kc(B * nkv * cap * hd), vc(kc.size()),
+        att(B * T * nh * hd), p(cap);
+    for (auto& v : qkv) v = next_f();
+    for (auto& v : cs) v = next_f();
+    for (auto& v : sn) v = next_f();
+    for (auto& v : kc) v = next_f();
+    for (auto& v : vc) v = next_f();
+    const int64_t start[2] = {5, 9};
+    dw::rope_append(qkv.data(), cs.data(), sn.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap);
+    dw::attend_items(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, att.data(), 0, B * T * nh, p.data());
+    float e[64];
+    for (int i = 0; i < 64; ++i) e[i] = dw::dw_exp(-20.0f + 0.6f * (float)i);
+    double worst = 0;
+    for (int i = 0; i < 64; ++i) {
+      const double xi = (double)(-20.0f + 0.6f * (float)i);
+      worst = std::fmax(worst, std::fabs(e[i] - std::exp(xi)) / std::exp(xi));
+    }
+    const bool ok = worst < 4e-7;
+    std::printf("%-20s %016llx %s\n", "layers", (unsigned long long)fnv(att.data(), att.size() * 4, fnv(o2.data(), o2.size() * 4,
+                fnv(out.data(), out.size() * 4, fnv(e, sizeof(e))))), ok ? "ok" : "FAIL (exp inaccurate)");
+    failures += !ok;
+  }
+  std::printf(failures ? "FAILED: %d case(s)\n" : "all paths bit-identical to the reference\n", failures);
+  return failures ? 1 : 0;
+}
