@@ -1,5 +1,5 @@
 """Command line: ``draftwise generate``, ``draftwise chat``, ``draftwise bench`` (bench/harness.py),
-``draftwise agreement`` (bench/agreement.py),
+``draftwise agreement`` (bench/agreement.py), ``draftwise info`` (CPU features and kernel path),
 ``draftwise serve`` and ``draftwise bench-serve`` (serve/cli.py).
 
 Every user error (unknown model, bad parameter, prompt too long, ...) is printed as one clear line on
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     agreement_args(a)
     serve_cli.add_parsers(sub, _model_args, METHODS)
+    i = sub.add_parser("info", help="version, CPU features, the kernel path chosen and whether the kernel built")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
 
@@ -154,6 +156,27 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_info(args) -> int:
+    """What a bug report needs: versions, the CPU's features, the kernel path in use (DRAFTWISE_ISA forces
+    a lower one), whether the kernel built (the first call builds it: ~1-2 min once)."""
+    import platform
+
+    import torch
+
+    from . import __version__
+    from .kernels import kernel_info
+
+    info = {"draftwise": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), **kernel_info()}
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    width = max(len(k) for k in info)
+    for k, v in info.items():
+        print(f"{k:<{width}}  {' '.join(v) if isinstance(v, list) else v}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -174,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
             _setup_threads(args)
             return cmd_agreement(args)
+        if args.command == "info":
+            return cmd_info(args)
         if args.command in serve_cli.COMMANDS:
             return serve_cli.main(args)
     except DraftwiseError as e:

@@ -48,8 +48,8 @@ inline void rope(float* x, const float* c, const float* s, int64_t hd) {
 float dw_exp(float x) {
   if (x != x) return x;
   if (x > 88.72283f) return INFINITY;
-  if (x < -103.972f) return 0.f;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  if (x < -87.0f) return 0.f;  // below the normal range: flushed (deterministically) to zero
+  const float n = round_even(x * 1.44269504088896341f);
   float r = x - n * 0.693359375f;     // ln 2 split in two: n * C1 is exact
   r = r + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;         // Cephes expf minimax polynomial on |r| <= ln2 / 2
@@ -59,7 +59,13 @@ float dw_exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = (p * (r * r) + r) + 1.0f;
-  return std::ldexp(y, (int)n);  // exact scaling
+  // y * 2^n, exact: n in [-126, 128]; 2^128 is not a float, so that case scales in two steps
+  const int ni = (int)n;
+  const int e = ni > 127 ? 127 : ni;
+  uint32_t bits = (uint32_t)(e + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return ni > 127 ? (y * scale) * 2.0f : y * scale;
 }
 
 void rms_norm(const float* x, const float* w, int64_t M, int64_t D, float eps, float* out) {

@@ -85,6 +85,14 @@ inline int64_t act_position(int64_t k, int64_t K, bool int4) {
   return base + (j < 16 ? 16 * g + j : width / 2 + 16 * g + j - 16);
 }
 
+// round to nearest, ties to even, for |v| < 2^22: exact, inline everywhere (std::nearbyint is a library
+// call on baseline x86-64, which has no SSE4.1 roundss)
+inline float round_even(float v) {
+  volatile float magic = 12582912.0f;  // 1.5 * 2^23 (volatile: the compiler may not fold the two adds)
+  const float m = magic;
+  return (v + m) - m;
+}
+
 // Sizes of the ActQ8 buffers for (M, K, G, bits)
 struct ActQ8Sizes { int64_t q, lane, gs; };
 ActQ8Sizes act_sizes(int64_t M, int64_t K, int64_t G, int64_t bits);

@@ -111,8 +111,13 @@ void quantize_act(const float* xp, int64_t M, int64_t K, int64_t G, int64_t bits
       float amax = 0.f;
       for (int64_t k = b * ACT_BLOCK; k < (b + 1) * ACT_BLOCK; ++k) amax = std::fabs(x[k]) > amax ? std::fabs(x[k]) : amax;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      for (int64_t k = b * ACT_BLOCK; k < (b + 1) * ACT_BLOCK; ++k)
-        qi[act_position(k, K, int4)] = (int8_t)std::nearbyint(x[k] * inv);
+      int8_t* dst = qi + act_position(b * ACT_BLOCK, K, int4);  // a block's 16-value halves are contiguous
+      int8_t* dst_hi = qi + act_position(b * ACT_BLOCK + 16, K, int4);
+      for (int64_t j = 0; j < ACT_BLOCK; ++j) {
+        const int8_t v = (int8_t)round_even(x[b * ACT_BLOCK + j] * inv);
+        if (j < 16) dst[j] = v;
+        else dst_hi[j - 16] = v;
+      }
       // lanes reading this block: int8 -> lanes of bytes k..k+31; int4 -> the 4 lanes of group b
       const float s = amax / 127.f;
       if (int4) {

@@ -17,7 +17,13 @@ namespace {
 
 using dw::QmmArgs;
 
-constexpr int MB_MAX = 4;              // activation rows per pass over a weight row (2 accumulators each)
+#ifndef DW_MB
+#define DW_MB 4
+#endif
+#ifndef DW_PREFETCH
+#define DW_PREFETCH 1
+#endif
+constexpr int MB_MAX = DW_MB;              // activation rows per pass over a weight row (2 accumulators each)
 constexpr int64_t PREFETCH = 2048;     // bytes of codes ahead
 
 inline float tree16(__m256 lo, __m256 hi) {
@@ -67,6 +73,25 @@ inline __m256i lanes8(__m256i lo, __m256i hi, __m256i aw, const int8_t* xa, cons
 #endif
 }
 
+// weight side of one 32-byte half step: the code bytes as the integer multiplies want them
+template <bool INT4>
+inline void unpack_half(const uint8_t* p, __m256i& lo, __m256i& hi, __m256i& aw) {
+  const __m256i W = _mm256_loadu_si256((const __m256i*)p);
+  if (INT4) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    lo = _mm256_and_si256(W, nib);
+    hi = _mm256_and_si256(_mm256_srli_epi16(W, 4), nib);
+    aw = lo;
+  } else {
+#if DW_VNNI
+    lo = hi = aw = _mm256_xor_si256(W, _mm256_set1_epi8((char)0x80));  // q + 128, unsigned
+#else
+    lo = hi = W;
+    aw = _mm256_abs_epi8(W);
+#endif
+  }
+}
+
 // output column n, activation rows m0 .. m0 + MB - 1, int8 activations
 template <int MB, bool INT4>
 inline void column_q8(const QmmArgs& a, int64_t n, int64_t m0) {
@@ -78,50 +103,51 @@ inline void column_q8(const QmmArgs& a, int64_t n, int64_t m0) {
   const int32_t* xb = a.act.bias + m0 * lw;
   (void)xb;
   const bool four = INT4 || a.G == 16;  // 4 group scales per step (else 2)
-  const __m256i nib = _mm256_set1_epi8(0x0F);
   const __m256i i_lo = four ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1) : _mm256_setzero_si256();
   const __m256i i_hi = four ? _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3) : _mm256_set1_epi32(1);
-  __m256 acc[MB][2];
-  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  constexpr int64_t STEP = INT4 ? 128 : 64;  // activations per step
+  __m256 acc0[MB], acc1[MB];  // lanes 0-7, 8-15
+  for (int i = 0; i < MB; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
   const int64_t full = rowbytes / 64;
-  for (int64_t c = 0; c < ns; ++c) {
-    const bool tail = c == full;  // a 32-byte last step: lanes 0-7 only
+  for (int64_t c = 0; c < full; ++c) {
+#if DW_PREFETCH
     _mm_prefetch((const char*)(qn + 64 * c + PREFETCH), _MM_HINT_T0);
     if ((c & 3) == 0) _mm_prefetch((const char*)(sn + (four ? 4 : 2) * c) + PREFETCH / 4, _MM_HINT_T0);
-    const int64_t g0 = four ? 4 * c : 2 * c;
-    __m128 s4;
-    if (tail) s4 = four ? _mm_setr_ps(sn[g0], sn[g0 + 1], 0.f, 0.f) : _mm_setr_ps(sn[g0], 0.f, 0.f, 0.f);
-    else s4 = four ? _mm_loadu_ps(sn + g0) : _mm_setr_ps(sn[g0], sn[g0 + 1], 0.f, 0.f);
-    const __m256 ws_lo = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), i_lo);
-    const __m256 ws_hi = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), i_hi);
-    for (int h = 0; h < (tail ? 1 : 2); ++h) {
-      const __m256i W = _mm256_loadu_si256((const __m256i*)(qn + 64 * c + 32 * h));
-      __m256i lo, hi, aw = _mm256_setzero_si256();
-      if (INT4) {
-        lo = _mm256_and_si256(W, nib);
-        hi = _mm256_and_si256(_mm256_srli_epi16(W, 4), nib);
-      } else {
-#if DW_VNNI
-        lo = _mm256_xor_si256(W, _mm256_set1_epi8((char)0x80));
-#else
-        lo = W;
-        aw = _mm256_abs_epi8(W);
 #endif
-        hi = lo;
-      }
-      const __m256 ws = h ? ws_hi : ws_lo;
-      const int64_t step = INT4 ? 128 : 64, half = tail ? 32 : 64;  // int4: bytes of the step's low-nibble part
-      for (int i = 0; i < MB; ++i) {
-        const int8_t* xr = xq + i * K + step * c + 32 * h;
-        const __m256i start = _mm256_loadu_si256((const __m256i*)(xb + i * lw + 16 * c + 8 * h));
-        const __m256i I = lanes8<INT4>(lo, hi, aw, xr, xr + half, start);
-        const __m256 s = _mm256_mul_ps(ws, _mm256_loadu_ps(xl + i * lw + 16 * c + 8 * h));
-        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), s, acc[i][h]);
-      }
+    const __m128 s4 = four ? _mm_loadu_ps(sn + 4 * c) : _mm_castpd_ps(_mm_load_sd((const double*)(sn + 2 * c)));
+    const __m256 ws0 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), i_lo);
+    const __m256 ws1 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), i_hi);
+    __m256i lo, hi, aw;
+    unpack_half<INT4>(qn + 64 * c, lo, hi, aw);
+    for (int i = 0; i < MB; ++i) {
+      const int8_t* xr = xq + i * K + STEP * c;
+      const __m256i I = lanes8<INT4>(lo, hi, aw, xr, xr + 64, _mm256_loadu_si256((const __m256i*)(xb + i * lw + 16 * c)));
+      const __m256 s = _mm256_mul_ps(ws0, _mm256_loadu_ps(xl + i * lw + 16 * c));
+      acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), s, acc0[i]);
+    }
+    unpack_half<INT4>(qn + 64 * c + 32, lo, hi, aw);
+    for (int i = 0; i < MB; ++i) {
+      const int8_t* xr = xq + i * K + STEP * c + 32;
+      const __m256i I = lanes8<INT4>(lo, hi, aw, xr, xr + 64, _mm256_loadu_si256((const __m256i*)(xb + i * lw + 16 * c + 8)));
+      const __m256 s = _mm256_mul_ps(ws1, _mm256_loadu_ps(xl + i * lw + 16 * c + 8));
+      acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), s, acc1[i]);
+    }
+  }
+  if (full < ns) {  // a 32-byte last step: lanes 0-7 only
+    const int64_t c = full, g0 = four ? 4 * c : 2 * c;
+    const __m128 s4 = four ? _mm_setr_ps(sn[g0], sn[g0 + 1], 0.f, 0.f) : _mm_set1_ps(sn[g0]);
+    const __m256 ws0 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s4), i_lo);
+    __m256i lo, hi, aw;
+    unpack_half<INT4>(qn + 64 * c, lo, hi, aw);
+    for (int i = 0; i < MB; ++i) {
+      const int8_t* xr = xq + i * K + STEP * c;
+      const __m256i I = lanes8<INT4>(lo, hi, aw, xr, xr + 32, _mm256_loadu_si256((const __m256i*)(xb + i * lw + 16 * c)));
+      const __m256 s = _mm256_mul_ps(ws0, _mm256_loadu_ps(xl + i * lw + 16 * c));
+      acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), s, acc0[i]);
     }
   }
   for (int i = 0; i < MB; ++i) {
-    float r = tree16(acc[i][0], acc[i][1]);
+    float r = tree16(acc0[i], acc1[i]);
     if (a.minv) r = r - offset16(a.minv + n * ng, a.act.gs + (m0 + i) * ng, ng);
     a.out[(m0 + i) * a.N + n] = r;
   }
