@@ -31,10 +31,25 @@ ACT_BLOCK = 32  # activations are quantized per row in blocks of this many value
 BULK_MIN_ROWS = 64  # bulk (prefill) calls with more rows than this take the dequantize + bf16 gemm path
 
 
+def bulk_gemm_pays() -> bool:
+    """Whether long prefills should de-quantize to bf16 and run torch's GEMM: only where the CPU has bf16
+    matrix hardware (AMX, AVX512-BF16), on which a 32-row matmul costs what one row costs. Elsewhere
+    (AVX2, NEON) torch's bf16 GEMM is compute-bound and many times slower than the int8 kernel (a
+    100-token prefill of the Qwen 1.5B: 39 s vs 6.8 s on Zen 3), and the kernel keeps prefill on the
+    same bits on every CPU. ``DRAFTWISE_PREFILL=gemm|kernel`` overrides."""
+    forced = os.environ.get("DRAFTWISE_PREFILL", "").strip().lower()
+    if forced in ("gemm", "kernel"):
+        return forced == "gemm"
+    ext = extension()
+    if ext is None:
+        return True  # no kernel: de-quantized dense weights either way
+    return bool({"amx-bf16", "avx512bf16"} & set(ext.cpu_features().split()))
+
+
 @contextlib.contextmanager
 def bulk(enabled: bool = True):
     """Within this block, linears over many rows (a long prefill) de-quantize their weights to bf16 and
-    use torch's GEMM (AMX / oneDNN) instead of the GEMV-style kernel, which is compute-bound there.
+    use torch's GEMM (AMX / oneDNN) instead of the kernel, where that pays (``bulk_gemm_pays``).
     The model enters it only for forwards that no other computation must match token for token
     (prefills longer than the exact-attention limit), so decoding stays batch-invariant."""
     prev = getattr(_mode, "bulk", False)
@@ -151,6 +166,15 @@ def kernel_info() -> dict:
     return info
 
 
+_bulk_cache: list[bool] = []
+
+
+def _BULK_PAYS() -> bool:  # noqa: N802 (cached bulk_gemm_pays: one look at the CPU per process)
+    if not _bulk_cache:
+        _bulk_cache.append(bulk_gemm_pays())
+    return _bulk_cache[0]
+
+
 def activation_bits() -> int:
     """8 (int8 activations for int4 / int8 codes, on every path) unless DRAFTWISE_EXACT_ACTIVATIONS=1."""
     return 32 if os.environ.get("DRAFTWISE_EXACT_ACTIVATIONS") == "1" else 8
@@ -219,7 +243,7 @@ class QLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1]).float().contiguous()  # (M, K)
         ext = extension()
         scale, minv = self.scale.float(), self.minv.float()  # no-ops unless someone called .to(dtype)
-        if getattr(_mode, "bulk", False) and x2.shape[0] > BULK_MIN_ROWS:
+        if getattr(_mode, "bulk", False) and x2.shape[0] > BULK_MIN_ROWS and _BULK_PAYS():
             if ext is not None and self.bits in (4, 8):
                 w = ext.dequantize_bf16(self.q, scale, minv, self.group, self.bits)  # (N, K)
             else:
