@@ -1,4 +1,5 @@
-"""``draftwise bench``: every requested method — the engine's and the HF peers' — on the same prompts,
+"""``draftwise bench``: every requested method — the engine's, the HF peers' and (optional) the llama.cpp
+peers' — on the same prompts,
 model files, dtype and budget, in one process; warm-up excluded; methods interleaved per prompt (and
 their order rotated) so the machine's drift hits all alike. Writes results.json, report.md and plots.
 
@@ -23,19 +24,22 @@ import torch
 from ..api import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
 from ..errors import InvalidParameterError
 from . import report
+from .llama_peers import LLAMA_PEERS, LlamaPeers, context_size, require_llama_cpp
 from .peers import PEERS
 from .prompts import Prompt, load_prompts
 from .roofline import measure_bandwidth, roofline
 
 
 def all_methods() -> tuple[str, ...]:
-    return (*METHODS, *PEERS)
+    return (*METHODS, *PEERS, *LLAMA_PEERS)
 
 
 def parse_methods(spec: str) -> list[str]:
-    """"ar,draft,hf-ar" → ["ar", "draft", "hf-ar"]; "all" → every engine method and peer. ``ar`` (the
-    reference of every speedup and output check) is added first when missing."""
-    names = list(all_methods()) if spec.strip() == "all" else [m.strip() for m in spec.split(",") if m.strip()]
+    """"ar,draft,hf-ar" → ["ar", "draft", "hf-ar"]; "all" → every engine method and HF peer (the llama.cpp
+    peers, an optional install, only by name: "all,llama-ar,llama-pld"). ``ar`` (the reference of every
+    speedup and output check) is added first when missing."""
+    names = [n for m in spec.split(",") if m.strip()
+             for n in ((*METHODS, *PEERS) if m.strip() == "all" else (m.strip(),))]
     unknown = [m for m in names if m not in all_methods()]
     if unknown or not names:
         what = f"unknown method {unknown[0]!r}" if unknown else "no methods given"
@@ -77,13 +81,16 @@ class BenchConfig:
     out: str = "bench-out"
 
 
-def _versions() -> dict:
+def _versions(llama: LlamaPeers | None = None) -> dict:
     import transformers
 
     from .. import __version__
 
-    return {"draftwise": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
+    v = {"draftwise": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+         "python": platform.python_version()}
+    if llama is not None:
+        v["llama_cpp"] = getattr(llama.llama_cpp, "__version__", None)
+    return v
 
 
 def _sha256(path: Path) -> str:
@@ -101,6 +108,9 @@ class Runner:
         self.cfg = cfg
         self.params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed)
         peers = [m for m in cfg.methods if m in PEERS]
+        llama = [m for m in cfg.methods if m in LLAMA_PEERS]
+        if llama:  # before loading anything: one clear line when llama-cpp-python is missing
+            require_llama_cpp(llama)
         # the draft model is loaded lazily, by the first method that drafts with it (during warm-up)
         self.dw = SpeculativeDecoder(cfg.target, cfg.draft, dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
                                      backend=cfg.backend, progress=progress)
@@ -114,15 +124,27 @@ class Runner:
             self.peers = HFPeers(resolve(cfg.target, progress),
                                  resolve(cfg.draft, progress) if "hf-assisted" in peers and cfg.draft else None,
                                  peer_dtype(self.dw.target.weights), peers, cfg.gamma, self.dw.tokenizer.eos_ids)
+        self.llama = None
+        if llama:  # the contexts are created by prepare(), once the longest prompt is known
+            self.llama = LlamaPeers(resolve(cfg.target, progress), llama, cfg.gamma, self.dw.tokenizer.eos_ids,
+                                    torch.get_num_threads())
+
+    def prepare(self, longest: int) -> None:
+        """Size and load what depends on the prompts: the llama.cpp contexts (prompt + budget tokens)."""
+        if self.llama is not None:
+            self.llama.load(context_size(longest + self.cfg.max_tokens, self.dw.target.config.max_context))
+
+    def peer_settings(self) -> dict:
+        return {**(self.peers.settings() if self.peers else {}), **(self.llama.settings() if self.llama else {})}
 
     def encode(self, p: Prompt) -> list[int]:
         return self.dw.encode(p.text, chat=self.cfg.chat)
 
     def run(self, method: str, ids: list[int], max_tokens: int | None = None) -> dict:
         n = max_tokens or self.cfg.max_tokens
-        if method in PEERS:
+        if method in PEERS or method in LLAMA_PEERS:
             t0 = time.perf_counter()
-            r = self.peers.generate(method, ids, n, self.cfg.temperature)
+            r = (self.peers if method in PEERS else self.llama).generate(method, ids, n, self.cfg.temperature)
             wall = r.wall_s or time.perf_counter() - t0
             rec = {"new_tokens": len(r.token_ids), "drafted": r.drafted, "accepted": r.accepted,
                    "target_passes": r.target_passes, "prefill_s": r.prefill_s, "verify_s": r.verify_s,
@@ -167,6 +189,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
         raise InvalidParameterError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
     cfg.gamma = parse_gamma(cfg.gamma)
     methods = cfg.methods = parse_methods(",".join(cfg.methods))
+    if llama := [m for m in methods if m in LLAMA_PEERS]:
+        require_llama_cpp(llama)  # fail before loading anything
     path, prompts = load_prompts(cfg.prompts, cfg.categories, cfg.limit)  # fail before loading models
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
@@ -184,6 +208,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
             work.append((p, ids))
     if not work:
         raise InvalidParameterError("no prompt fits the model's context with this --max-tokens")
+    runner.prepare(max(len(ids) for _, ids in work))
 
     bw = None
     if cfg.bandwidth_gib > 0:
@@ -219,7 +244,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
 
     checked = cfg.temperature == 0.0
     mismatches = report.find_mismatches(per_prompt, methods) if checked else []
-    agg = report.aggregate(per_prompt, methods, mismatches)
+    agg = report.aggregate(per_prompt, methods, mismatches, checked)
     rf = None
     if bw is not None:
         rf = roofline(runner.dw.target.model, bw["gb_per_s"], agg[report.REFERENCE]["tokens_per_s"])
@@ -228,10 +253,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
               "categories": report.categories_of(per_prompt), "n_prompts": len(per_prompt),
               "reference": report.REFERENCE, "outputs_checked": checked, "interrupted": interrupted,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
-              "versions": _versions(), "started": started,
+              "versions": _versions(runner.llama), "started": started,
               "timing": "wall clock per generate call on pre-tokenized ids, prefill included; warm-up excluded; "
                         "methods interleaved per prompt, order rotated",
-              "peers": runner.peers.settings() if runner.peers else {}}
+              "peers": runner.peer_settings()}
+    if runner.llama is not None:
+        runner.llama.close()  # the llama.cpp contexts (KV caches, logits buffers) are not needed past here
     return {"methods": agg, "config": config, "roofline": rf, "mismatches": mismatches, "skipped": skipped,
             "per_prompt": per_prompt}
 
@@ -241,7 +268,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Bench options (the model options --target/--draft/--dtype/--backend/--threads come from cli.py)."""
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated, from {', '.join(all_methods())}, or all (default {','.join(METHODS)}); "
-                        "ar is always run as the reference")
+                        "ar is always run as the reference; all = the engine's methods and the HF peers, the "
+                        "llama.cpp peers (pip install -e '.[peers]') only by name")
     p.add_argument("--gamma", default="auto", help="draft tokens per step: an integer, or auto (default)")
     p.add_argument("--prompts", default=None, help="Spec-Bench-shaped JSONL (question_id, category, turns); "
                                                    "default ../shared/data/spec_bench/question.jsonl")
@@ -292,10 +320,16 @@ def summary(results: dict, console) -> None:
     """A short table on the terminal."""
     from rich.table import Table
 
-    t = Table("method", "tok/s", "× ar", "× hf-ar", "α", "τ", "mismatches", title="draftwise bench (overall)")
-    for m, s in results["methods"].items():
-        t.add_row(m, report._f(s["tokens_per_s"]), report._f(s["speedup_vs_ar"]), report._f(s["speedup_vs_hf_ar"]),
-                  report._f(s["acceptance_rate"]), report._f(s["mean_accepted_length"]), str(s["mismatches"]))
+    ms = results["methods"]
+    refs = [r for r in report.PEER_REFERENCES.values() if r in ms]  # × hf-ar, × llama-ar: when they ran
+    own = any(report.own_reference(m) for m in ms)  # a speculative peer: its output vs its own plain decoding
+    t = Table("method", "tok/s", "× ar", *[f"× {r}" for r in refs], "α", "τ", "mismatches vs ar",
+              *(["matches own ar"] if own else []), title="draftwise bench (overall)")
+    for m, s in ms.items():
+        t.add_row(m, report._f(s["tokens_per_s"]), report._f(s["speedup_vs_ar"]),
+                  *[report._f(s[f"speedup_vs_{report.key(r)}"]) for r in refs],
+                  report._f(s["acceptance_rate"]), report._f(s["mean_accepted_length"]), str(s["mismatches"]),
+                  *([report.own_match(s)] if own else []))
     console.print(t)
     rf = results.get("roofline")
     if rf:

@@ -1,9 +1,14 @@
 """Aggregation, output checks and the written report: ``results.json``, ``report.md``, PNG plots.
 
 Spec-Bench's protocol: per prompt tokens/s = new tokens / wall; a method's speedup = mean tokens/s of the
-method / mean tokens/s of the reference (``ar``, and ``hf-ar`` when it ran); the median of per-prompt
-speedups is reported beside it. α = accepted / drafted pooled over prompts (null when nothing was
+method / mean tokens/s of the reference (``ar``, and ``hf-ar`` / ``llama-ar`` when they ran); the median of
+per-prompt speedups is reported beside it. α = accepted / drafted pooled over prompts (null when nothing was
 drafted); τ = new tokens / target passes pooled (1.00 for plain decoding).
+
+Output checks: every method against ``ar``. The peers (HF transformers, llama.cpp) compute with other
+numerics, so their differences from ``ar`` are reported apart and never counted as the engine's; a
+speculative peer is also checked against its own plain decoding (``hf-pld`` vs ``hf-ar``, ``llama-pld`` vs
+``llama-ar``: "matches own ar"), which is what losslessness means for that library.
 """
 
 from __future__ import annotations
@@ -12,8 +17,31 @@ import json
 import statistics
 from pathlib import Path
 
-REFERENCE, HF_REFERENCE = "ar", "hf-ar"
+REFERENCE, HF_REFERENCE, LLAMA_REFERENCE = "ar", "hf-ar", "llama-ar"
+PEER_REFERENCES = {"hf-": HF_REFERENCE, "llama-": LLAMA_REFERENCE}  # a peer family's prefix → its plain decoding
 TIME_PARTS = ("prefill_s", "draft_s", "verify_s")
+
+
+def key(ref: str) -> str:
+    """"hf-ar" → "hf_ar" (as in speedup_vs_hf_ar, mismatches_vs_hf_ar)."""
+    return ref.replace("-", "_")
+
+
+def is_peer(method: str) -> bool:
+    """HF or llama.cpp, not the engine: its differences from ``ar`` are not the engine's mismatches."""
+    return method.startswith(tuple(PEER_REFERENCES))
+
+
+def own_reference(method: str) -> str | None:
+    """The plain decoding of a speculative peer's own library (``llama-pld`` → ``llama-ar``); None otherwise."""
+    ref = next((r for p, r in PEER_REFERENCES.items() if method.startswith(p)), None)
+    return ref if ref != method else None
+
+
+def own_match(s: dict) -> str:
+    """"k/n": prompts where a speculative peer's output equals its own plain decoding's; "–" for the others
+    (and when that plain decoding did not run, or outputs were not checked: sampling on)."""
+    return f"{s['matches_own_ar']}/{s['own_ar_prompts']}" if s.get("matches_own_ar") is not None else "–"
 
 
 # ---- checks --------------------------------------------------------------------------------------------
@@ -26,13 +54,14 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def find_mismatches(per_prompt: list[dict], methods: list[str]) -> list[dict]:
-    """Every (prompt, method) whose token ids differ from ``ar``'s; HF drafting peers also vs ``hf-ar``."""
+    """Every (prompt, method) whose token ids differ from ``ar``'s; speculative peers also vs their own plain
+    decoding (``hf-ar``, ``llama-ar``)."""
     out = []
     for p in per_prompt:
         runs = p["runs"]
         for m in methods:
-            refs = [REFERENCE] + ([HF_REFERENCE] if m.startswith("hf-") and m != HF_REFERENCE else [])
-            for ref in refs:
+            own = own_reference(m)
+            for ref in [REFERENCE] + ([own] if own else []):
                 if m == ref or m not in runs or ref not in runs:
                     continue
                 i = first_difference(runs[m]["token_ids"], runs[ref]["token_ids"])
@@ -52,8 +81,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def summarize(per_prompt: list[dict], method: str, mismatches: list[dict]) -> dict:
-    """One method over some prompts (all of them, or one category's)."""
+def summarize(per_prompt: list[dict], method: str, mismatches: list[dict], checked: bool = True) -> dict:
+    """One method over some prompts (all of them, or one category's). ``checked``: outputs were compared
+    (greedy); if not, "matches own ar" is unknown (None), not a count of the empty mismatch list."""
     rows = [p["runs"] for p in per_prompt if method in p["runs"]]
     runs = [r[method] for r in rows]
     tps = [r["tokens_per_s"] for r in runs]
@@ -65,19 +95,24 @@ def summarize(per_prompt: list[dict], method: str, mismatches: list[dict]) -> di
            "acceptance_rate": sum(r["accepted"] for r in runs) / drafted if drafted else None,
            "mean_accepted_length": sum(r["new_tokens"] for r in runs) / passes if passes else None,
            "drafted": drafted, "wall_s": wall}
-    for ref in (REFERENCE, HF_REFERENCE):
-        key = ref.replace("-", "_")
+    for ref in (REFERENCE, *PEER_REFERENCES.values()):
+        k = key(ref)
         ref_tps = [r[ref]["tokens_per_s"] for r in rows if ref in r]
         per = [r[method]["tokens_per_s"] / r[ref]["tokens_per_s"] for r in rows
                if ref in r and r[ref]["tokens_per_s"] > 0]
-        out[f"speedup_vs_{key}"] = _ratio(out["tokens_per_s"], _mean(ref_tps)) if len(ref_tps) == len(rows) else None
-        out[f"median_speedup_vs_{key}"] = statistics.median(per) if per and len(per) == len(rows) else None
+        out[f"speedup_vs_{k}"] = _ratio(out["tokens_per_s"], _mean(ref_tps)) if len(ref_tps) == len(rows) else None
+        out[f"median_speedup_vs_{k}"] = statistics.median(per) if per and len(per) == len(rows) else None
     ids = {p["question_id"] for p in per_prompt}
     mine = [m for m in mismatches if m["method"] == method and m["question_id"] in ids]
     out["mismatches"] = sum(m["reference"] == REFERENCE for m in mine)
     out["mismatch_ids"] = [m["question_id"] for m in mine if m["reference"] == REFERENCE]
-    if method.startswith("hf-") and method != HF_REFERENCE:
-        out["mismatches_vs_hf_ar"] = sum(m["reference"] == HF_REFERENCE for m in mine)
+    own = own_reference(method)
+    if own:  # e.g. mismatches_vs_llama_ar, and "matches own ar" = prompts with both runs − those
+        out["own_reference"] = own
+        out[f"mismatches_vs_{key(own)}"] = sum(m["reference"] == own for m in mine)
+        out["own_ar_prompts"] = sum(own in r for r in rows)
+        out["matches_own_ar"] = out["own_ar_prompts"] - out[f"mismatches_vs_{key(own)}"] \
+            if checked and out["own_ar_prompts"] else None
     out["time_split"] = {k.removesuffix("_s"): sum(r[k] for r in runs) / wall if wall else None for k in TIME_PARTS}
     if wall:
         out["time_split"]["other"] = max(0.0, 1.0 - sum(out["time_split"].values()))
@@ -88,12 +123,12 @@ def categories_of(per_prompt: list[dict]) -> list[str]:
     return list(dict.fromkeys(p["category"] for p in per_prompt))
 
 
-def aggregate(per_prompt: list[dict], methods: list[str], mismatches: list[dict]) -> dict:
+def aggregate(per_prompt: list[dict], methods: list[str], mismatches: list[dict], checked: bool = True) -> dict:
     """{method: {overall keys..., "by_category": {category: {same keys}}}}"""
     out = {}
     for m in methods:
-        out[m] = summarize(per_prompt, m, mismatches)
-        out[m]["by_category"] = {c: summarize([p for p in per_prompt if p["category"] == c], m, mismatches)
+        out[m] = summarize(per_prompt, m, mismatches, checked)
+        out[m]["by_category"] = {c: summarize([p for p in per_prompt if p["category"] == c], m, mismatches, checked)
                                  for c in categories_of(per_prompt)}
     return out
 
@@ -116,33 +151,39 @@ def markdown(results: dict) -> str:
     cfg, ms = results["config"], results["methods"]
     names = list(ms)
     cats = list(next(iter(ms.values()))["by_category"]) if ms else []
-    has_hf = HF_REFERENCE in ms
+    refs = [r for r in PEER_REFERENCES.values() if r in ms]  # × hf-ar, × llama-ar columns: when they ran
+    spec_peers = [m for m in names if own_reference(m)]
+    llama_v = cfg["versions"].get("llama_cpp")
     parts = [f"# draftwise bench\n\n"
              f"target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, γ={cfg['gamma']}, "
              f"max_tokens={cfg['max_tokens']}, "
              f"{'greedy' if not cfg['temperature'] else 'T=' + str(cfg['temperature'])}, "
              f"chat={cfg['chat']}, {cfg['n_prompts']} prompts ({', '.join(cats)}) from `{cfg['prompts']}`, "
              f"{cfg['threads']} threads, torch {cfg['versions']['torch']}, transformers "
-             f"{cfg['versions']['transformers']}. Warm-up excluded; methods interleaved per prompt."
+             f"{cfg['versions']['transformers']}" + (f", llama-cpp-python {llama_v}" if llama_v else "")
+             + ". Warm-up excluded; methods interleaved per prompt."
              + ("\n\n**Interrupted**: only the prompts that finished are reported." if cfg.get("interrupted") else "")]
-    head = ["method", "tok/s", "× ar", "median × ar"] + (["× hf-ar", "median × hf-ar"] if has_hf else []) + \
-        ["α", "τ", "prefill", "draft", "verify", "other", "mismatches vs ar"]
+    head = ["method", "tok/s", "× ar", "median × ar"] + [h for r in refs for h in (f"× {r}", f"median × {r}")] + \
+        ["α", "τ", "prefill", "draft", "verify", "other", "mismatches vs ar"] + \
+        (["matches own ar"] if spec_peers else [])
     rows = []
     for m in names:
         s = ms[m]
         ts = s["time_split"]
         rows.append([f"`{m}`", _f(s["tokens_per_s"]), _f(s["speedup_vs_ar"]), _f(s["median_speedup_vs_ar"])]
-                    + ([_f(s["speedup_vs_hf_ar"]), _f(s["median_speedup_vs_hf_ar"])] if has_hf else [])
+                    + [_f(s[f"{p}speedup_vs_{key(r)}"]) for r in refs for p in ("", "median_")]
                     + [_f(s["acceptance_rate"]), _f(s["mean_accepted_length"])]
                     + [_f(ts.get(k) and 100 * ts[k], ".0f") + "%" for k in ("prefill", "draft", "verify", "other")]
-                    + [str(s["mismatches"])])
+                    + [str(s["mismatches"])] + ([own_match(s)] if spec_peers else []))
     parts.append("## Overall\n\n" + _table(head, rows) + "\n\nTime split: shares of wall time; `draft` is "
-                 "everything outside the target's forward passes (drafting and bookkeeping).")
-    for title, key, fmt in (("Speedup vs `ar` by category", "speedup_vs_ar", ".2f"),
+                 "everything outside the target's forward passes (drafting and bookkeeping)."
+                 + (" Matches own ar: prompts where a speculative peer's greedy output equals its own library's "
+                    "plain decoding (`hf-ar`, `llama-ar`)." if spec_peers else ""))
+    for title, k, fmt in (("Speedup vs `ar` by category", "speedup_vs_ar", ".2f"),
                             ("Tokens/s by category", "tokens_per_s", ".2f"),
                             ("τ (mean accepted length) by category", "mean_accepted_length", ".2f"),
                             ("α (acceptance rate) by category", "acceptance_rate", ".2f")):
-        rows = [[f"`{m}`"] + [_f(ms[m]["by_category"][c][key], fmt) for c in cats] + [_f(ms[m][key], fmt)]
+        rows = [[f"`{m}`"] + [_f(ms[m]["by_category"][c][k], fmt) for c in cats] + [_f(ms[m][k], fmt)]
                 for m in names]
         parts.append(f"## {title}\n\n" + _table(["method"] + cats + ["overall"], rows))
     rf = results.get("roofline")
@@ -158,21 +199,30 @@ def markdown(results: dict) -> str:
             + "\n\nBytes per token count every parameter and buffer but the input embedding (the KV cache "
               "read is not included).")
     mm = results["mismatches"]
-    own = [m for m in mm if not m["method"].startswith("hf-")]
-    hf = [m for m in mm if m["method"].startswith("hf-")]
+    own = [m for m in mm if not is_peer(m["method"])]
+    peer = [m for m in mm if is_peer(m["method"])]
     chk = "" if cfg["outputs_checked"] else " (not checked: sampling is on)"
     parts.append("## Greedy outputs vs `ar`" + chk + "\n\n" + (
         _table(["question", "category", "method", "first differing token", "tokens", "`ar` tokens"],
                [[str(m["question_id"]), m["category"], f"`{m['method']}`", str(m["first_diff"]), str(m["tokens"]),
                  str(m["reference_tokens"])] for m in own]) if own else "Every draftwise method equals `ar` token "
                                                                       "for token."))
-    if any(n.startswith("hf-") for n in names):
-        parts.append("## HF peers vs `ar` and `hf-ar` (HF numerics differ: reported apart)\n\n" + (
-            _table(["question", "category", "method", "reference", "first differing token", "tokens",
-                    "reference tokens"],
-                   [[str(m["question_id"]), m["category"], f"`{m['method']}`", f"`{m['reference']}`",
-                     str(m["first_diff"]), str(m["tokens"]), str(m["reference_tokens"])] for m in hf])
-            if hf else "Every HF peer equals `ar` token for token."))
+    if any(is_peer(n) for n in names):
+        own_table = ""
+        if spec_peers and cfg["outputs_checked"]:
+            own_table = _table(["method", "own reference", "matches own ar", "mismatches vs `ar`"],
+                               [[f"`{m}`", f"`{ms[m]['own_reference']}`", own_match(ms[m]), str(ms[m]["mismatches"])]
+                                for m in spec_peers]) + "\n\n"
+        parts.append("## Peers vs `ar` and their own plain decoding (other numerics: reported apart)" + chk + "\n\n"
+                     "HF transformers and llama.cpp compute with their own kernels, so a peer may leave `ar`'s "
+                     "greedy path without being wrong; a speculative peer is lossless when it equals its own "
+                     "library's plain decoding (`hf-ar`, `llama-ar`; llama.cpp is not batch-invariant, so a "
+                     "multi-token verify pass can flip a near-tie).\n\n" + own_table + (
+                         _table(["question", "category", "method", "reference", "first differing token", "tokens",
+                                 "reference tokens"],
+                                [[str(m["question_id"]), m["category"], f"`{m['method']}`", f"`{m['reference']}`",
+                                  str(m["first_diff"]), str(m["tokens"]), str(m["reference_tokens"])] for m in peer])
+                         if peer else "Every peer equals `ar` token for token."))
     if results.get("skipped"):
         parts.append("## Skipped prompts\n\n" + "\n".join(f"- {s['question_id']} ({s['category']}): {s['reason']}"
                                                           for s in results["skipped"]))

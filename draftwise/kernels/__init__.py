@@ -40,10 +40,23 @@ def bulk_gemm_pays() -> bool:
     forced = os.environ.get("DRAFTWISE_PREFILL", "").strip().lower()
     if forced in ("gemm", "kernel"):
         return forced == "gemm"
-    ext = extension()
-    if ext is None:
+    if extension() is None:
         return True  # no kernel: de-quantized dense weights either way
-    return bool({"amx-bf16", "avx512bf16"} & set(ext.cpu_features().split()))
+    return cpu_has_bf16_matmul()
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has bf16 matrix hardware (AMX-BF16 or AVX512-BF16), from the kernel's cpuid look
+    (or /proc/cpuinfo when the kernel is not built)."""
+    ext = extension()
+    if ext is not None:
+        feats = set(ext.cpu_features().split())
+    else:
+        try:
+            feats = {f.replace("_", "-") for f in Path("/proc/cpuinfo").read_text().split()}
+        except OSError:
+            feats = set()
+    return bool({"amx-bf16", "avx512bf16", "avx512-bf16"} & feats)
 
 
 @contextlib.contextmanager

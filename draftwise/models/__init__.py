@@ -55,8 +55,12 @@ def resolve_weights(weights: str | torch.dtype, src: Path | str, backend: str) -
 
 def peer_dtype(weights: str) -> torch.dtype:
     """The dtype to run transformers in beside a draftwise model of this weight format: the same dense
-    dtype, or bf16 (transformers' fastest CPU path for a GGUF file) when draftwise runs quantized."""
-    return DENSE.get(weights, torch.bfloat16)
+    dtype, or, when draftwise runs quantized, transformers' fastest CPU path for a GGUF file: bf16 where
+    the CPU has bf16 matrix hardware (AMX / AVX512-BF16), else fp32 (on AVX2, torch's bf16 matmul is
+    compute-bound: a 700-token prefill takes minutes)."""
+    from ..kernels import cpu_has_bf16_matmul
+
+    return DENSE.get(weights, torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32)
 
 
 def _quantize_linears(sd: dict[str, torch.Tensor], bits: int) -> dict[str, torch.Tensor]:
