@@ -15,6 +15,7 @@ cannot be built, a pure-torch path computes the same products (not bit-identical
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -57,6 +58,9 @@ def cpu_has_bf16_matmul() -> bool:
         except OSError:
             feats = set()
     return bool({"amx-bf16", "avx512bf16", "avx512-bf16"} & feats)
+
+
+_bulk_pays = functools.cache(bulk_gemm_pays)  # one look at the CPU per process (a per-call hot path)
 
 
 @contextlib.contextmanager
@@ -179,15 +183,6 @@ def kernel_info() -> dict:
     return info
 
 
-_bulk_cache: list[bool] = []
-
-
-def _BULK_PAYS() -> bool:  # noqa: N802 (cached bulk_gemm_pays: one look at the CPU per process)
-    if not _bulk_cache:
-        _bulk_cache.append(bulk_gemm_pays())
-    return _bulk_cache[0]
-
-
 def activation_bits() -> int:
     """8 (int8 activations for int4 / int8 codes, on every path) unless DRAFTWISE_EXACT_ACTIVATIONS=1."""
     return 32 if os.environ.get("DRAFTWISE_EXACT_ACTIVATIONS") == "1" else 8
@@ -256,7 +251,7 @@ class QLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1]).float().contiguous()  # (M, K)
         ext = extension()
         scale, minv = self.scale.float(), self.minv.float()  # no-ops unless someone called .to(dtype)
-        if getattr(_mode, "bulk", False) and x2.shape[0] > BULK_MIN_ROWS and _BULK_PAYS():
+        if getattr(_mode, "bulk", False) and x2.shape[0] > BULK_MIN_ROWS and _bulk_pays():
             if ext is not None and self.bits in (4, 8):
                 w = ext.dequantize_bf16(self.q, scale, minv, self.group, self.bits)  # (N, K)
             else:

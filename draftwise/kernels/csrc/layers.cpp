@@ -16,14 +16,6 @@ namespace dw {
 
 namespace {
 
-inline float tree16(const float* a) {
-  float b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i) b[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
-  for (int i = 0; i < 2; ++i) d[i] = c[i] + c[i + 2];
-  return d[0] + d[1];
-}
-
 inline float dot16(const float* a, const float* b, int64_t n) {  // n % 16 == 0 or any n (lanes j % 16)
   float acc[16] = {0};
   int64_t j = 0;

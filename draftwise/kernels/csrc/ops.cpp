@@ -8,12 +8,6 @@
 
 #include "qmm.h"
 
-namespace {
-
-const dw::IsaOps* ops_or_throw() { return dw::active(); }
-
-}  // namespace
-
 // x: (M, K) f32; q: (N, K) int8 | (N, K/2) uint8 | (N, K) int16 / int32 views of bf16 / fp32;
 // scale, minv: (N, K/G) f32 (minv may be empty). act_bits = 8: int8 activations where the format allows
 // (dw::q8_supported), else fp32 activations.
@@ -52,7 +46,7 @@ torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::
     dw::group_sums(a.x, M, K, G, xsum.data());
     a.xsum = xsum.data();
   }
-  const dw::IsaOps* ops = ops_or_throw();
+  const dw::IsaOps* ops = dw::active();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { dw::qmm_columns(ops, a, q8, n0, n1); });
   return out;
 }

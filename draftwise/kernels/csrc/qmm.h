@@ -85,6 +85,15 @@ inline int64_t act_position(int64_t k, int64_t K, bool int4) {
   return base + (j < 16 ? 16 * g + j : width / 2 + 16 * g + j - 16);
 }
 
+// the rule's fixed 16-lane sum (plain C++; each SIMD path has the same tree in registers)
+inline float tree16(const float* a) {
+  float b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) b[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
+  for (int i = 0; i < 2; ++i) d[i] = c[i] + c[i + 2];
+  return d[0] + d[1];
+}
+
 // round to nearest, ties to even, for |v| < 2^22: exact, inline everywhere (std::nearbyint is a library
 // call on baseline x86-64, which has no SSE4.1 roundss)
 inline float round_even(float v) {

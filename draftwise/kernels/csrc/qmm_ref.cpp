@@ -10,14 +10,6 @@ namespace dw {
 
 namespace {
 
-inline float tree16(const float* a) {
-  float b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i) b[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
-  for (int i = 0; i < 2; ++i) d[i] = c[i] + c[i + 2];
-  return d[0] + d[1];
-}
-
 inline float code_f32(const uint8_t* qn, int64_t k, int64_t bits) {  // de-quantized code value (exact)
   switch (bits) {
     case 32: { float f; std::memcpy(&f, qn + 4 * k, 4); return f; }
