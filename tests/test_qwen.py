@@ -24,5 +24,9 @@ def test_every_method_equals_plain_on_qwen(pair, prompt):
     for method in ["draft", "pld", "nasd"]:
         r = pair.generate(prompt, params, method=method)
         assert r.token_ids == ar.token_ids, method
-    r = pair.generate(prompt, params, method="draft")
+    # Draft quality at a fixed draft length: the adaptive policy picks gamma from measured
+    # timings (short drafts where verification is dear, e.g. AVX2), so tau under "auto" is
+    # machine-dependent and no test of the draft.
+    r = pair.generate(prompt, params, method="draft", gamma=5)
+    assert r.token_ids == ar.token_ids
     assert r.stats.acceptance_rate > 0.6 and r.stats.mean_accepted_length > 2.5
