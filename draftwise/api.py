@@ -27,7 +27,6 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 METHODS = ("ar", "draft", "pld", "nasd")
 AUTO_MAX_GAMMA = 8  # the adaptive policy chooses γ in [0, 8] per step
-SEEDED_GAMMA = 4  # "auto" for a seeded sampled request: reproducible (see gamma_policy)
 
 
 @dataclass
@@ -111,9 +110,8 @@ class SpeculativeDecoder:
     def gamma_policy(self, method: str, gamma: int | str | GammaPolicy, params: SamplingParams | None = None
                      ) -> GammaPolicy:
         """An int is a fixed γ; "auto" the adaptive policy of this method (its measured step costs are
-        kept across requests, acceptance is tracked per request). A seeded sampled request gets a fixed
-        γ instead: the adaptive choice depends on measured timings, and a different γ sequence consumes
-        the request's random stream differently, so the seed would not reproduce the output."""
+        kept across requests, acceptance is tracked per request). Seeded requests may take it too: their
+        draws are position-keyed, so the text does not depend on the γ chosen (sampling.py)."""
         if isinstance(gamma, bool):
             raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
         if isinstance(gamma, int):
@@ -123,8 +121,6 @@ class SpeculativeDecoder:
                 return FixedGamma(int(gamma))
             if gamma != "auto":
                 raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
-            if params is not None and params.seed is not None and not params.greedy:
-                return FixedGamma(SEEDED_GAMMA)
             if method not in self._auto:
                 self._auto[method] = self.prime(AdaptiveGamma(AUTO_MAX_GAMMA), method)
             return self._auto[method]

@@ -19,9 +19,9 @@ import torch
 from .drafters.base import Draft, Drafter
 from .errors import InvalidParameterError, PromptTooLongError
 from .models.base import CausalLM
-from .sampling import logits_to_probs, sample
+from .sampling import logits_to_probs, sample, sample_at
 from .sequence import ACCEPTED, BONUS, PLAIN, RECOVERED, Sequence
-from .verify import VerifyResult, verify_greedy, verify_sampled
+from .verify import VerifyResult, verify_greedy, verify_keyed, verify_sampled
 
 
 class GammaPolicy(Protocol):
@@ -101,8 +101,13 @@ class Decoder:
         row = self.cache.view(slice(seq.row, seq.row + 1))
         row.reset()
         logits = self.target.forward(torch.tensor([seq.prompt_ids]), row, logits_for="last").logits[0, -1]
-        first = int(logits.argmax()) if seq.params.greedy else int(sample(logits_to_probs(logits, seq.params),
-                                                                         seq.generator))
+        p = seq.params
+        if p.greedy:
+            first = int(logits.argmax())
+        elif p.seed is not None:
+            first = sample_at(logits_to_probs(logits, p), p.seed, 0, seq.uniforms(0, logits.shape[-1]))
+        else:
+            first = int(sample(logits_to_probs(logits, p), seq.generator))
         seq.stats.target_passes += 1
         self._append(seq, [first], [PLAIN])
         if not seq.finished and self.drafter is not None:
@@ -159,9 +164,14 @@ class Decoder:
     def _verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> VerifyResult:
         # logits: (k+1, V) target scores at [last token, d_1..d_k]
         tokens = torch.tensor(draft.tokens, dtype=torch.long)
-        if seq.params.greedy:
+        p = seq.params
+        if p.greedy:
             return verify_greedy(logits, tokens)
-        return verify_sampled(logits_to_probs(logits, seq.params), tokens, draft.probs, seq.generator)
+        if p.seed is not None:  # position-keyed: row by row, exactly as plain decoding computes each row
+            probs = torch.stack([logits_to_probs(row, p) for row in logits])
+            V = probs.shape[-1]
+            return verify_keyed(probs, tokens, p.seed, seq.num_output, lambda pos: seq.uniforms(pos, V))
+        return verify_sampled(logits_to_probs(logits, p), tokens, draft.probs, seq.generator)
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:

@@ -6,9 +6,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams, make_generator, position_uniforms
 
 # how each output token came to be (the CLI colours them)
 PLAIN, ACCEPTED, RECOVERED, BONUS = "plain", "accepted", "recovered", "bonus"
@@ -87,6 +88,19 @@ class Sequence:
     stop_text_end: int | None = None  # output text is cut here when a stop string matched
     row: int = -1  # row in the engine's caches
     started: float = field(default_factory=time.perf_counter)
+    _uniforms: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def uniforms(self, position: int, size: int | None = None) -> np.ndarray:
+        """A seeded sequence's keyed uniforms at output position ``position`` (``position_uniforms``),
+        cached while the position lies ahead of the output: a drafter drawing there (coupled) and the
+        verifier use the same ones. ``size``: at least this many (a prefix of a longer draw is the
+        shorter draw)."""
+        u = self._uniforms.get(position)
+        if u is None or (size is not None and len(u) < size):
+            for old in [q for q in self._uniforms if q < self.num_output]:
+                del self._uniforms[old]
+            u = self._uniforms[position] = position_uniforms(self.params.seed, position, size or 0)
+        return u
 
     def __post_init__(self):
         if not self.tokens:

@@ -11,15 +11,22 @@ so every step emits between 1 and k+1 tokens.
   p_k. The emitted sequence is distributed exactly as sampling from p alone.
 - deterministic drafters (n-gram, lookup) have no q: q_i is one-hot on the drafted token, so x is
   accepted with probability p_i(x) and the recovered token is drawn from p_i with x removed.
+- seeded requests (``verify_keyed``): the target's token at output position i is its position-keyed draw
+  ``sample_at(p_i, seed, i)`` — the very draw plain decoding makes there — and drafts are accepted while
+  they equal it. For a one-hot draft this accepts x with probability p_i(x), as rejection sampling does;
+  every output token is the target's own keyed sample, so the text is plain decoding's with that seed,
+  whatever the drafter, γ or batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+import numpy as np
 import torch
 
-from .sampling import sample
+from .sampling import sample, sample_at
 
 
 @dataclass
@@ -66,6 +73,24 @@ def verify_sampled(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft
     # total == 0 only if p == q exactly, where rejection has probability 0; guard against float dust
     residual = residual / total if total > 0 else p
     return VerifyResult(n, draft_tokens[:n].tolist() + [int(sample(residual, generator))], bonus=False)
+
+
+def verify_keyed(target_probs: torch.Tensor, draft_tokens: torch.Tensor, seed: int, position: int,
+                 uniforms: Callable[[int], np.ndarray] | None = None) -> VerifyResult:
+    """Position-keyed verification for a seeded sequence.
+
+    target_probs: (k+1, V) — p_0..p_k, p_i the target's distribution at output position ``position + i``
+    draft_tokens: (k,) — however they were drafted (one-hot, coupled draws, ...): only equality counts
+    uniforms: position -> ``position_uniforms(seed, position, >= V)`` (a cache), or None to compute them
+    """
+    k = draft_tokens.shape[0]
+    drafts = draft_tokens.tolist()
+    for i in range(k + 1):
+        pos = position + i
+        t = sample_at(target_probs[i], seed, pos, None if uniforms is None else uniforms(pos))
+        if i == k or t != drafts[i]:
+            return VerifyResult(i, drafts[:i] + [t], bonus=i == k)
+    raise AssertionError("unreachable")
 
 
 def verify_reference(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,

@@ -6,13 +6,17 @@ import torch
 
 from ..errors import IncompatibleModelsError
 from ..models.base import CausalLM
-from ..sampling import logits_to_probs, sample
+from ..sampling import logits_to_probs, sample, sample_at
 from ..sequence import Sequence
 from .base import Draft
 
 
 class DraftModelDrafter:
     """Drafts autoregressively with a small model; q is its (transformed) distribution.
+
+    Seeded sampled sequences draft the coupled draw ``sample_at(q, seed, i)`` (the target's position-keyed
+    noise applied to q) as a one-hot draft; the verifier keeps it while it equals the target's own keyed
+    draw, so the output is plain decoding's seeded text (see sampling.py).
 
     Its cache row mirrors the sequence's engine row. ``seq.drafter_state`` is the number of the
     sequence's leading tokens whose keys/values are valid in the draft cache.
@@ -56,6 +60,10 @@ class DraftModelDrafter:
             for i, s in enumerate(seqs):
                 if s.params.greedy:
                     tokens[i, j] = step_logits[i].argmax()
+                elif s.params.seed is not None:  # coupled draw: the target's keyed noise at that position
+                    q = logits_to_probs(step_logits[i], s.params)
+                    pos = s.num_output + j
+                    tokens[i, j] = sample_at(q, s.params.seed, pos, s.uniforms(pos, q.shape[-1]))
                 else:
                     q = logits_to_probs(step_logits[i], s.params)  # (V,)
                     tokens[i, j] = sample(q, s.generator)
