@@ -140,19 +140,30 @@ class Decoder:
             x[i, 1:1 + len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
         view = self.cache.view(slice(0, B))
         logits = self.target.forward(x, view, logits_for="all").logits  # (B, T, V)
-        results = [self._verify(s, d, logits[i, :1 + len(d.tokens)]) for i, (s, d) in enumerate(zip(seqs, drafts))]
-        view.set_lengths([n + r.num_accepted for n, r in zip(n_before, results)])  # roll back rejections
+        # per sequence from here on: an exception fails that sequence alone (seq.error), not the batch
+        results: list[VerifyResult | None] = []
+        for i, (s, d) in enumerate(zip(seqs, drafts)):
+            try:
+                results.append(self._verify(s, d, logits[i, :1 + len(d.tokens)]))
+            except Exception as e:
+                results.append(self._fail(s, e))
+        view.set_lengths([n + (r.num_accepted if r else 0) for n, r in zip(n_before, results)])  # roll back
         t2 = time.perf_counter()
         for i, (s, d, r) in enumerate(zip(seqs, drafts, results)):
-            k = len(d.tokens)
-            kinds = [ACCEPTED] * r.num_accepted + [PLAIN if k == 0 else BONUS if r.bonus else RECOVERED]
-            s.stats.record_step(k, r.num_accepted)
-            s.stats.gammas.append(ks[i])
-            self._append(s, r.tokens, kinds)
-            if self.drafter is not None and not s.finished:
-                self.drafter.accept(s, n_before[i], r.num_accepted, logits[i, :r.num_accepted + 1])
+            if r is None:
+                continue
+            try:
+                k = len(d.tokens)
+                kinds = [ACCEPTED] * r.num_accepted + [PLAIN if k == 0 else BONUS if r.bonus else RECOVERED]
+                s.stats.record_step(k, r.num_accepted)
+                s.stats.gammas.append(ks[i])
+                self._append(s, r.tokens, kinds)
+                if self.drafter is not None and not s.finished:
+                    self.drafter.accept(s, n_before[i], r.num_accepted, logits[i, :r.num_accepted + 1])
+            except Exception as e:
+                self._fail(s, e)
         t3 = time.perf_counter()
-        self.gamma.observe(K, [r.num_accepted for r in results], t3 - t0)
+        self.gamma.observe(K, [r.num_accepted if r else 0 for r in results], t3 - t0)
         for s in seqs:
             s.stats.draft_s += (t1 - t0) + (t3 - t2)
             s.stats.verify_s += t2 - t1
@@ -172,6 +183,12 @@ class Decoder:
             V = probs.shape[-1]
             return verify_keyed(probs, tokens, p.seed, seq.num_output, lambda pos: seq.uniforms(pos, V))
         return verify_sampled(logits_to_probs(logits, p), tokens, draft.probs, seq.generator)
+
+    @staticmethod
+    def _fail(seq: Sequence, error: Exception) -> None:
+        """A per-sequence step raised: the sequence ends with finish_reason "error" (``seq.error``)."""
+        seq.error, seq.finish_reason = error, "error"
+        return None
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -223,7 +240,9 @@ class Decoder:
             while waiting and self.free_rows:
                 self.add(waiting.pop(0))
             if self.running:
-                self.step()
+                for s in self.step():
+                    if s.error is not None:
+                        raise s.error
             if on_step is not None:
                 on_step(seqs)
         return seqs

@@ -84,7 +84,8 @@ class Sequence:
     generator: torch.Generator | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     drafter_state: Any = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (then ``error`` says why)
+    error: Exception | None = None
     stop_text_end: int | None = None  # output text is cut here when a stop string matched
     row: int = -1  # row in the engine's caches
     started: float = field(default_factory=time.perf_counter)

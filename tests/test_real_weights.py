@@ -55,12 +55,17 @@ def test_draft_model_partial_acceptance_is_real(smol_pair):
     assert 0.5 < res.stats.acceptance_rate <= 1.0 and res.stats.mean_accepted_length > 2.0
 
 
-@pytest.mark.parametrize("method", ["ar", "draft", "pld", "nasd"])
-def test_seeded_sampling_reproducible(smol_pair, method):
-    p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=42)
-    a = smol_pair.generate(PROMPTS[1], p, method=method)
-    b = smol_pair.generate(PROMPTS[1], p, method=method)
-    assert a.token_ids == b.token_ids
+@pytest.mark.parametrize("method", ["draft", "pld", "nasd"])
+def test_seeded_sampling_equals_seeded_plain_for_every_gamma(smol_pair, method):
+    """A seed means one text: every method, fixed γ 1/3/6 or auto, equals `ar` with that seed."""
+    for prompt in PROMPTS[:2]:
+        p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=42)
+        ar = smol_pair.generate(prompt, p, method="ar")
+        for gamma in (1, 3, 6, "auto"):
+            r = smol_pair.generate(prompt, p, method=method, gamma=gamma)
+            assert r.token_ids == ar.token_ids, (method, gamma, prompt)
+        assert smol_pair.generate(prompt, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=43),
+                                  method=method).token_ids != ar.token_ids  # another seed, another text
 
 
 @pytest.mark.statistical

@@ -290,6 +290,9 @@ def test_queue_bound_refuses(tiny_dw):
         engine.submit("c", [engine.new_sequence([5, 6], p)], lambda ev: None)
     engine.start()
     try:
+        deadline = time.monotonic() + 30
+        while engine.snapshot()["requests"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         out = collect(engine, "d", [engine.new_sequence([8, 9], p)])  # once the others ran, room again
         assert out[0][-1].finish_reason == "length"
     finally:

@@ -103,6 +103,26 @@ def test_n_choices_seeded(client):
     assert texts == [c.message.content for c in a.choices]
 
 
+def test_seeded_request_same_text_under_load_and_as_plain(server, client):
+    """The hardening issue's done-when on real weights: 8 concurrent copies of a seeded request beside 6
+    other seeded requests all equal the request sent alone, and equal it with plain decoding."""
+    kw = dict(model=MODEL, messages=chat("bees"), max_tokens=24, temperature=0.8, seed=2024)
+    alone = client.chat.completions.create(**kw).choices[0].message.content
+
+    async def load():
+        aclient = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="-", max_retries=0)
+        copies = [aclient.chat.completions.create(**kw) for _ in range(8)]
+        others = [aclient.chat.completions.create(model=MODEL, messages=chat(t), max_tokens=16 + i,
+                                                  temperature=0.9, seed=i) for i, t in enumerate(TOPICS[:6])]
+        out = await asyncio.gather(*copies, *others)
+        await aclient.close()
+        return [r.choices[0].message.content for r in out[:8]]
+    assert asyncio.run(load()) == [alone] * 8
+    for ext in ({"method": "ar"}, {"gamma": 1}, {"gamma": 3}):
+        r = client.chat.completions.create(**kw, extra_body={"draftwise": ext})
+        assert r.choices[0].message.content == alone, ext
+
+
 def test_stop_sequences(client):
     kw = dict(model=MODEL, prompt="Here is a list of fruits: apple, banana,", max_tokens=20, temperature=0)
     ref = client.completions.create(**kw).choices[0].text

@@ -24,9 +24,10 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -51,8 +52,51 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine.stop)
 
+    # ---- auth and containment, around every route (before the body is read) ----------------------
+    def check_key(request: Request) -> None:
+        if api_key is None or not request.url.path.startswith("/v1"):
+            return  # /health and /metrics stay open (they reveal no text)
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+
+    class GuardedRoute(APIRoute):
+        """Authenticates before the body is parsed (bad JSON without a key is a 401, not a 400), and
+        answers an unexpected exception with a 500 for that request alone. Starlette's last-resort
+        handler would re-raise it after responding, and the server would then drop the keep-alive
+        connection under the client's next, unrelated request."""
+
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def guarded(request: Request) -> Response:
+                try:
+                    check_key(request)
+                    return await handler(request)
+                except (APIError, DraftwiseError, RequestValidationError, StarletteHTTPException):
+                    raise  # answered by the handlers below
+                except Exception as e:
+                    log.exception("unhandled error in %s", request.url.path)
+                    return _error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
+            return guarded
+
     app = FastAPI(title="draftwise", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = GuardedRoute
     created = int(time.time())
+
+    def openapi() -> dict:
+        """FastAPI's schema, plus what this server accepts for ``model``: its one model name (so that
+        clients and schema-driven fuzzers such as schemathesis know the valid value)."""
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                props = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
+                if "model" in props:
+                    props["model"]["enum"] = [model_name]
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi
 
     # ---- errors ----------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -78,15 +122,6 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         log.exception("unhandled error")
         return _error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 
-    # ---- auth ------------------------------------------------------------------------------------
-    async def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key")
-
     # ---- routes ----------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
@@ -99,22 +134,24 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "draftwise",
             "max_model_len": engine.max_model_len,
             "draftwise": {"methods": list(engine.served_methods), "max_gamma": engine.cfg.gamma}}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         texts = body.prompts()
+        if not texts:
+            raise APIError(400, "empty prompt: give at least one prompt", param="prompt")
         _check_common(body, len(texts))
         prompts = [_check_ids(p, engine) if isinstance(p, list)
                    else await run_in_threadpool(engine.tokenizer.encode, p) for p in texts]
         return await _generate(request, body, prompts, "completion")
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_common(body, 1)
         try:
@@ -181,7 +218,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                         temperature=1.0 if body.temperature is None else body.temperature,
                         top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                         max_tokens=max_tokens, stop=tuple(body.stop), ignore_eos=body.ignore_eos,
-                        seed=None if body.seed is None else body.seed + j)
+                        seed=None if body.seed is None else (body.seed + j) % (1 << 64))  # choice j: seed + j
                     seqs.append(engine.new_sequence(ids, params, index=p_i * body.n + j,
                                                     method=opts.method if opts else None,
                                                     gamma=opts.gamma if opts else None))
@@ -311,6 +348,9 @@ def validation_error(e: RequestValidationError) -> APIError:
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _TYPE_TAG.fullmatch(str(x))]
     if err.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+    if err.get("type") == "invalid_text":
+        param = err["ctx"]["param"]
+        return APIError(400, err["msg"], param=param.split("[")[0].split(".")[0] or None)
     if err.get("type") == "missing" and not loc:
         return APIError(400, "the request needs a JSON body")
     param = ".".join(loc) or None

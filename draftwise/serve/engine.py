@@ -309,6 +309,8 @@ class Engine:
 
     def submit(self, request_id: str, seqs: list[ServeSequence], sink: Callable[[object], None]) -> EngineRequest:
         """Queue a request's sequences. Raises EngineFullError when they do not fit in the waiting queue."""
+        if not seqs:
+            raise InvalidParameterError("a request needs at least one sequence")
         req = EngineRequest(request_id, seqs, sink)
         for s in seqs:
             s.request_id, s.request = request_id, req
@@ -316,11 +318,16 @@ class Engine:
         with self._lock:
             if self._stop:
                 raise EngineStoppedError("the server is shutting down")
-            room = self.cfg.max_queue + max(0, self.decoder.free_rows) - len(self._waiting)
-            if len(seqs) > room:
+            # admitted and unfinished sequences: at most `rows` run, at most `max_queue` wait for a row
+            # (a finishing sequence is counted until its flag is set: the count errs towards refusing)
+            active = sum(1 for r in self._requests.values() for s in r.seqs if not s.finished)
+            if active + len(seqs) > self.rows + self.cfg.max_queue:
                 self.metrics.rejected.inc()
-                raise EngineFullError(f"server is at capacity ({self.rows} running, {len(self._waiting)} "
-                                      f"waiting); retry later")
+                waiting = len(self._waiting)
+                raise EngineFullError(
+                    f"server is at capacity: {active - waiting} sequence(s) running or starting in "
+                    f"{self.rows} rows, {waiting} waiting (--max-queue {self.cfg.max_queue}); this request "
+                    f"needs {len(seqs)}; retry later")
             self._requests[request_id] = req
             self._waiting.extend(seqs)
             self.metrics.requests.inc()
@@ -398,6 +405,10 @@ class Engine:
             except DraftwiseError as e:  # checked at submit; a clear message all the same
                 self._fail_request(seq.request, str(e))
                 continue
+            except Exception as e:  # the prefill of this sequence raised: fail its request alone
+                log.error("prefill of %s failed:\n%s", seq.request_id, traceback.format_exc())
+                self._fail_request(seq.request, f"internal error: {type(e).__name__}: {e}")
+                continue
             self.metrics.prompt_tokens.inc(seq.prompt_len)
             self._emit(seq)
 
@@ -421,7 +432,16 @@ class Engine:
             accepted += s.stats.accepted - a0
         self.metrics.observe_step(len(running), self.gamma_now, emitted, drafted, accepted, dt)
         for s in running:
-            self._emit(s)
+            if s.error is not None:  # its step raised (Decoder._fail): that request fails alone
+                log.error("sequence of %s failed:\n%s", s.request_id,
+                          "".join(traceback.format_exception(s.error)))
+                self._fail_request(s.request, f"internal error: {type(s.error).__name__}: {s.error}")
+                continue
+            try:
+                self._emit(s)
+            except Exception as e:
+                log.error("output of %s failed:\n%s", s.request_id, traceback.format_exc())
+                self._fail_request(s.request, f"internal error: {type(e).__name__}: {e}")
 
     @property
     def speculation_on(self) -> bool:
@@ -470,6 +490,8 @@ class Engine:
 
     def _fail_request(self, req: EngineRequest, message: str) -> None:
         with self._lock:
+            if req.request_id not in self._requests:
+                return  # failed already (two of its choices raised in one step)
             for s in req.seqs:
                 if s in self._waiting:
                     self._waiting.remove(s)

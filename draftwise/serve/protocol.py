@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from ..sampling import SEED_MAX, SEED_MIN
 
 
 class APIError(Exception):
@@ -33,16 +36,35 @@ class DraftwiseOptions(BaseModel):
     gamma: int | None = Field(default=None, ge=0)
 
 
+def _bad_text(value: Any, path: str) -> str | None:
+    """The path of the first string in a JSON value that is not valid Unicode text (a lone surrogate
+    such as "\\ud800", which JSON can carry and UTF-8 cannot), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if (bad := _bad_text(v, f"{path}.{k}" if path else str(k))) is not None:
+                return bad
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (bad := _bad_text(v, f"{path}[{i}]")) is not None:
+                return bad
+    return None
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # the OpenAI API's range
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)  # extension (as in vLLM); 0 = off
     n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = Field(default=None, validate_default=True)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # int64 or uint64; used modulo 2**64
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False  # extension (as in vLLM)
@@ -53,6 +75,15 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data):
+        bad = _bad_text(data, "")
+        if bad is not None:
+            raise PydanticCustomError("invalid_text", "{param}: the text is not valid Unicode (lone surrogate)",
+                                      {"param": bad})
+        return data
 
     @field_validator("stop")
     @classmethod
