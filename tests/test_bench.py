@@ -221,6 +221,26 @@ def test_bench_tiny_every_method_and_peer(hf_folder, prompts_file, tmp_path):
     assert "| 3 | qa | `pld` | 0 |" in (tmp_path / "bad" / "report.md").read_text()
 
 
+def test_bench_seeded_sampling_is_checked_against_ar(hf_folder, prompts_file, tmp_path):
+    """With a temperature and a seed, draftwise's methods still equal `ar` token for token (and are
+    checked); the peers sample with their own generators and are not compared."""
+    methods = [*METHODS, "hf-ar"]
+    cfg = BenchConfig(target=str(hf_folder), draft=str(hf_folder), dtype="fp32", methods=methods,
+                      prompts=str(prompts_file), limit=1, max_tokens=12, gamma="3", warmup_tokens=2,
+                      bandwidth_gib=0.0, temperature=0.9, seed=5)
+    res = run_bench(cfg, progress=False)
+    assert res["config"]["outputs_checked"] and not res["config"]["peers_checked"]
+    for m in METHODS:
+        assert res["methods"][m]["mismatches"] == 0, res["mismatches"]
+    assert res["mismatches"] == []
+    report.write_outputs(res, tmp_path / "out")
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "## Seeded sampled outputs vs `ar`\n\nEvery draftwise method equals `ar`" in text
+    assert "Not compared: peers sample with their own generators." in text
+    res["per_prompt"][0]["runs"]["nasd"]["token_ids"][3] += 1  # a wrong sampled output is caught
+    assert report.find_mismatches(res["per_prompt"], METHODS)[0]["method"] == "nasd"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "ar,bogus"], "unknown method 'bogus'"),
     (["--prompts", "/nonexistent/q.jsonl"], "not found"),

@@ -251,3 +251,88 @@ def test_forward_many_equals_one_by_one_through_the_kernels_bit_exact():
     many = m.forward(toks[:, 6:], a).logits
     one = torch.cat([m.forward(toks[:, i:i + 1], b).logits for i in range(6, 14)], dim=1)
     assert torch.equal(many, one)
+
+
+# ---- lean loading: quantized embeddings, fused projections on disk, memory-mapped weights -----------------
+@pytest.mark.parametrize("bits,affine", [(4, True), (8, False), (8, True)])
+def test_quantized_embedding_rows_equal_the_dense_table(bits, affine):
+    from draftwise.kernels import dequantize, quantize_rtn
+    from draftwise.models.transformer import QEmbedding
+
+    w = torch.randn(300, 64, generator=torch.Generator().manual_seed(bits))
+    q, scale, minv = quantize_rtn(w, bits, 32)
+    if affine and minv is None:
+        minv = torch.rand(scale.shape, generator=torch.Generator().manual_seed(1))
+    table = dequantize(q, scale, minv, 32, bits)  # what the model used to hold, (300, 64) fp32
+    emb = QEmbedding(q, scale, minv if minv is not None else torch.empty(0), 32, bits, torch.float32)
+    ids = torch.tensor([[0, 299, 7, 7], [150, 3, 298, 1]])
+    assert torch.equal(emb(ids), table[ids])
+
+
+def test_gguf_loads_mapped_fused_and_equals_the_unfused_model(tmp_path, monkeypatch):
+    """A Q4_K_M-like GGUF (q/k and gate in one format, v and up in another): the converted file holds the
+    fused runs, its load is a memory map (no anonymous copy of the codes), the embedding stays quantized,
+    and the logits equal those of the model built from the unfused tensors bit for bit."""
+    from gguf import GGUFReader
+
+    from draftwise.kernels import QLinear
+    from draftwise.models import load_model
+    from draftwise.models.loading import converted_dir, gguf_config, gguf_state_dict
+    from draftwise.models.transformer import Concat, QEmbedding, from_state_dict
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
+    cfg = TINY_QWEN.__class__(**{**TINY_QWEN.to_dict(), "hidden_size": 64, "head_dim": 16,
+                                 "intermediate_size": 128})
+    m = random_model(cfg, seed=9)
+    path = tmp_path / "mixed.gguf"
+    _write_gguf(path, m, "qwen2", ("Q8_0", "Q8_0", "Q4_0", "Q4_0", "Q8_0", "Q4_1"))
+    from draftwise.models import loading
+    monkeypatch.setattr(loading, "_save_gguf_tokenizer", lambda p, dest: _copy_tokenizer(dest, cfg.vocab_size))
+    lm = load_model(str(path), "gguf", progress=False)  # converts, then maps
+    again = load_model(str(path), "gguf", progress=False)  # maps the converted file
+    weights = next(converted_dir(path).glob("model-gguf.safetensors"))
+    for model in (lm.model, again.model):
+        assert isinstance(model.embed, QEmbedding)
+        qkv = model.layers[0].attn.qkv
+        assert isinstance(qkv, (QLinear, Concat))
+        q = qkv.q if isinstance(qkv, QLinear) else qkv.parts[0].q
+        assert _is_file_backed(q, weights)
+    reader = GGUFReader(str(path))
+    ref = from_state_dict(gguf_config(reader), gguf_state_dict(reader, gguf_config(reader), keep_quantized=True),
+                          torch.float32)
+    toks = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    a, b = again.model.new_cache(1, 32), ref.new_cache(1, 32)
+    assert torch.equal(again.model.forward(toks, a).logits, ref.forward(toks, b).logits)
+
+
+def _is_file_backed(t: torch.Tensor, path) -> bool:
+    """Whether the tensor's memory lies in a mapping of ``path`` (/proc/self/maps)."""
+    ptr = t.untyped_storage().data_ptr()
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= ptr < hi:
+            return len(parts) >= 6 and parts[5] == str(path)
+    return False
+
+
+def _copy_tokenizer(dest, vocab_size: int):
+    from tests.conftest import _byte_level_tokenizer
+
+    _byte_level_tokenizer(dest, vocab_size)
+
+
+def test_mmap_safetensors_reads_every_dtype(tmp_path):
+    from safetensors.torch import save_file
+
+    from draftwise.models.loading import mmap_safetensors
+
+    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(4, 2).bfloat16(), "i8": torch.arange(-5, 5, dtype=torch.int8),
+               "u8": torch.arange(7, dtype=torch.uint8), "i64": torch.tensor([1, 2]), "f16": torch.randn(6).half(),
+               "empty": torch.empty(0)}
+    save_file(tensors, str(tmp_path / "x.safetensors"))
+    got = mmap_safetensors(tmp_path / "x.safetensors")
+    for k, v in tensors.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    got["f32"][0, 0] = 123.0  # private mapping: the file is not written
+    assert torch.equal(mmap_safetensors(tmp_path / "x.safetensors")["f32"], tensors["f32"])

@@ -148,7 +148,7 @@ def test_same_seed_same_text_for_any_gamma_and_batch(tiny_target, tiny_draft, pl
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize("method", ["draft", "pld"])
+@pytest.mark.parametrize("method", ["draft", "pld", "nasd"])
 def test_seeded_sampled_output_has_target_distribution(method):
     """Over many seeds, the seeded speculative output's first two tokens follow the target's exact joint
     distribution (chi-square), as the unseeded path's do (test_decode)."""
@@ -160,7 +160,7 @@ def test_seeded_sampled_output_has_target_distribution(method):
     draft = perturbed(target, 0.8, seed=12)
     prompt = [1, 2, 3]
     exact = _first_two_tokens_exact(target, prompt, SamplingParams(temperature=1.0, max_tokens=2))
-    drafter = DraftModelDrafter(draft, 1, 64) if method == "draft" else PromptLookupDrafter()
+    drafter = {"draft": DraftModelDrafter(draft, 1, 64), "pld": PromptLookupDrafter(), "nasd": NASDDrafter()}[method]
     dec = Decoder(target, drafter, FixedGamma(3), rows=1, capacity=64)
     counts = torch.zeros(6, 6)
     n = 3000

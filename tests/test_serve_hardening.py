@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import httpx
+from hypothesis import HealthCheck, given, settings, strategies as st
 import pytest
 import torch
 
@@ -260,3 +261,53 @@ def test_schemathesis_finds_no_server_error(tiny_dw, tmp_path):
         assert "404 Not Found" not in r.stdout, r.stdout[-3000:]  # the generated requests reach the engine
         assert httpx.get(fuzzed.base_url + "/health").json()["status"] == "ok"
         assert engine.metrics.generation_tokens._value.get() > 0
+
+
+# ---- request parsing, property-based ---------------------------------------------------------------------
+_json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                          st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8))
+_json = st.recursive(_json_scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
+    st.text(max_size=6), kids, max_size=3), max_leaves=8)
+_fields = {
+    "model": st.sampled_from([MODEL, "gpt-4", ""]) | _json,
+    "prompt": st.text(max_size=12) | st.lists(st.integers(-5, 400), max_size=4) | _json,
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "robot"]),
+                                                "content": st.text(max_size=8) | _json}), max_size=2) | _json,
+    "max_tokens": st.integers(-3, 10**6) | _json, "temperature": st.floats() | _json,
+    "top_p": st.floats() | _json, "top_k": st.integers(-3, 10**6) | _json, "n": st.integers(-1, 40) | _json,
+    "seed": st.integers(-(2**65), 2**65) | _json, "stop": st.lists(st.text(max_size=3), max_size=18) | _json,
+    "stream": _json, "draftwise": st.fixed_dictionaries({}, optional={"method": st.text(max_size=5) | _json,
+                                                                       "gamma": st.integers(-2, 9) | _json}),
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.fixed_dictionaries({}, optional=_fields), chat_route=st.booleans())
+def test_request_parsing_never_fails_unexpectedly(tiny_dw, body, chat_route):
+    """Any JSON body through the parsing the routes do (pydantic model, then the sampling parameters of
+    each choice): either accepted, or one OpenAI-style 4xx error naming a parameter — never another
+    exception (a 5xx)."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from draftwise.errors import DraftwiseError
+    from draftwise.serve.app import validation_error
+    from draftwise.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    try:
+        req = (ChatCompletionRequest if chat_route else CompletionRequest).model_validate(body)
+    except ValidationError as e:
+        err = validation_error(RequestValidationError(e.errors()))
+        assert err.status == 400 and err.message
+        return
+    try:
+        for j in range(min(req.n, 3)):
+            SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                           top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
+                           max_tokens=(req.max_tokens or 16), stop=tuple(req.stop),
+                           seed=None if req.seed is None else (req.seed + j) % (1 << 64))
+    except DraftwiseError:
+        pass  # answered as a 400 by the app
+    if not chat_route:
+        for p in req.prompts():
+            assert isinstance(p, (str, list))

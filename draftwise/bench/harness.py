@@ -242,16 +242,20 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
                 raise
             interrupted = True
 
-    checked = cfg.temperature == 0.0
-    mismatches = report.find_mismatches(per_prompt, methods) if checked else []
-    agg = report.aggregate(per_prompt, methods, mismatches, checked)
+    # greedy: every method is checked against `ar` (peers also against their own plain decoding); seeded
+    # sampling: draftwise's methods still equal `ar` token for token (position-keyed draws), peers not
+    greedy = cfg.temperature == 0.0
+    checked = greedy or cfg.seed is not None
+    mismatches = report.find_mismatches(
+        per_prompt, methods if greedy else [m for m in methods if not report.is_peer(m)]) if checked else []
+    agg = report.aggregate(per_prompt, methods, mismatches, greedy)
     rf = None
     if bw is not None:
         rf = roofline(runner.dw.target.model, bw["gb_per_s"], agg[report.REFERENCE]["tokens_per_s"])
         rf["bandwidth"] = bw
     config = {**asdict(cfg), "prompts": str(path), "prompts_sha256": _sha256(path), "methods": methods,
               "categories": report.categories_of(per_prompt), "n_prompts": len(per_prompt),
-              "reference": report.REFERENCE, "outputs_checked": checked, "interrupted": interrupted,
+              "reference": report.REFERENCE, "outputs_checked": checked, "peers_checked": greedy, "interrupted": interrupted,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
               "versions": _versions(runner.llama), "started": started,
               "timing": "wall clock per generate call on pre-tokenized ids, prefill included; warm-up excluded; "
@@ -277,7 +281,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs are checked)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); outputs are checked against ar when greedy or seeded")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed warm-up run per method")
     p.add_argument("--bandwidth-gib", type=float, default=0.5,

@@ -201,19 +201,22 @@ def markdown(results: dict) -> str:
     mm = results["mismatches"]
     own = [m for m in mm if not is_peer(m["method"])]
     peer = [m for m in mm if is_peer(m["method"])]
-    chk = "" if cfg["outputs_checked"] else " (not checked: sampling is on)"
-    parts.append("## Greedy outputs vs `ar`" + chk + "\n\n" + (
+    chk = "" if cfg["outputs_checked"] else " (not checked: sampling without a seed)"
+    peers_checked = cfg.get("peers_checked", cfg["outputs_checked"])
+    peer_chk = "" if peers_checked else " (not checked: sampling is on)"
+    what = "Greedy outputs" if cfg.get("temperature", 0.0) == 0.0 else "Seeded sampled outputs"
+    parts.append(f"## {what} vs `ar`" + chk + "\n\n" + (
         _table(["question", "category", "method", "first differing token", "tokens", "`ar` tokens"],
                [[str(m["question_id"]), m["category"], f"`{m['method']}`", str(m["first_diff"]), str(m["tokens"]),
                  str(m["reference_tokens"])] for m in own]) if own else "Every draftwise method equals `ar` token "
                                                                       "for token."))
     if any(is_peer(n) for n in names):
         own_table = ""
-        if spec_peers and cfg["outputs_checked"]:
+        if spec_peers and peers_checked:
             own_table = _table(["method", "own reference", "matches own ar", "mismatches vs `ar`"],
                                [[f"`{m}`", f"`{ms[m]['own_reference']}`", own_match(ms[m]), str(ms[m]["mismatches"])]
                                 for m in spec_peers]) + "\n\n"
-        parts.append("## Peers vs `ar` and their own plain decoding (other numerics: reported apart)" + chk + "\n\n"
+        parts.append("## Peers vs `ar` and their own plain decoding (other numerics: reported apart)" + peer_chk + "\n\n"
                      "HF transformers and llama.cpp compute with their own kernels, so a peer may leave `ar`'s "
                      "greedy path without being wrong; a speculative peer is lossless when it equals its own "
                      "library's plain decoding (`hf-ar`, `llama-ar`; llama.cpp is not batch-invariant, so a "
@@ -222,7 +225,8 @@ def markdown(results: dict) -> str:
                                  "reference tokens"],
                                 [[str(m["question_id"]), m["category"], f"`{m['method']}`", f"`{m['reference']}`",
                                   str(m["first_diff"]), str(m["tokens"]), str(m["reference_tokens"])] for m in peer])
-                         if peer else "Every peer equals `ar` token for token."))
+                         if peer else "Every peer equals `ar` token for token." if peers_checked else
+                         "Not compared: peers sample with their own generators."))
     if results.get("skipped"):
         parts.append("## Skipped prompts\n\n" + "\n".join(f"- {s['question_id']} ({s['category']}): {s['reason']}"
                                                           for s in results["skipped"]))

@@ -59,8 +59,10 @@ class KVCache:
     def __init__(self, num_layers: int, rows: int, num_kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_layers, rows, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # torch.empty: memory the OS commits page by page as positions are first written, so a 64-token
+        # answer in a 4k-token row costs what it uses (entries past a row's length are never read)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long)
         self.capacity = capacity
 

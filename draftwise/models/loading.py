@@ -1,8 +1,10 @@
 """Load weights, config and tokenizer from a GGUF file or an HF safetensors folder.
 
-GGUF tensors are de-quantized with the ``gguf`` package (Q4_K_M, Q4_1, Q8_0, F16, F32, ...), renamed
-to HF names, and cached as safetensors under ``$DRAFTWISE_HOME/converted/`` in the compute dtype, so the
-second load is a memory map instead of a de-quantization. No pickle is ever loaded.
+GGUF tensors are re-laid out exactly (``gguf`` keeps the file's own integer codes, see
+kernels/gguf_quant.py) or de-quantized with the ``gguf`` package (dense formats), renamed to HF names,
+with q/k/v and gate/up concatenated where their formats agree (``prefuse``), and cached as safetensors
+under ``$DRAFTWISE_HOME/converted/``. Later loads memory-map that file (``mmap_safetensors``): no copy at
+start-up, and processes serving the same model share its pages. No pickle is ever loaded.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .base import ModelConfig
 from .registry import draftwise_home
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
-CONVERT_VERSION = 1  # bump when the converted layout changes
+CONVERT_VERSION = 2  # bump when the converted layout changes (2: projections stored fused)
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -128,6 +130,71 @@ def gguf_state_dict(reader, cfg: ModelConfig, progress: bool = False, keep_quant
     return sd
 
 
+_FUSE = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_CODE_PARTS = ("weight.q", "weight.scale", "weight.minv", "weight", "bias")
+
+
+def _format(sd: dict[str, torch.Tensor], name: str) -> tuple:
+    if name + ".weight.q" in sd:
+        group, bits = (int(v) for v in sd[name + ".weight.qmeta"])
+        return ("q", group, bits, name + ".weight.minv" in sd, name + ".bias" in sd)
+    return ("dense", sd[name + ".weight"].dtype, name + ".bias" in sd)
+
+
+def prefuse(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Concatenate each layer's q/k/v and gate/up projections once, at conversion: consecutive parts in
+    the same format (Q4_K_M mixes Q4_K and Q6_K) become runs ``NAME.0``, ``NAME.1``, ... of one matrix
+    each (transformer.py ``_prefused``), the fusion the model would otherwise copy at every start."""
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for fused, parts in _FUSE.items():
+            runs: list[list[str]] = []
+            for part in parts:
+                if runs and _format(sd, p + runs[-1][-1]) == _format(sd, p + part):
+                    runs[-1].append(part)
+                else:
+                    runs.append([part])
+            for j, run in enumerate(runs):
+                out = f"{p}{fused}.{j}."
+                for key in _CODE_PARTS:
+                    if p + run[0] + "." + key in sd:
+                        sd[out + key] = torch.cat([sd.pop(p + r + "." + key) for r in run])
+                if p + run[0] + ".weight.qmeta" in sd:
+                    sd[out + "weight.qmeta"] = sd[p + run[0] + ".weight.qmeta"]
+                    for r in run:
+                        del sd[p + r + ".weight.qmeta"]
+    return sd
+
+
+_ST_DTYPES = {"F64": (np.float64, None), "F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.int16, torch.bfloat16),
+              "I64": (np.int64, None), "I32": (np.int32, None), "I16": (np.int16, None), "I8": (np.int8, None),
+              "U8": (np.uint8, None), "BOOL": (np.bool_, None)}
+
+
+def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as views of one private (copy-on-write) memory map: nothing is
+    read or copied up front, pages come from the page cache as they are touched, and other processes
+    mapping the same file share them. (safetensors' ``load_file`` copies every tensor into anonymous
+    memory.) The header is parsed as the format specifies: 8-byte length, JSON, then the data."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    data = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise ModelNotFoundError(f"{path}: tensor {name} has dtype {info['dtype']}, not supported")
+        np_dtype, view = _ST_DTYPES[info["dtype"]]
+        a, b = info["data_offsets"]
+        arr = data[a:b].view(np_dtype).reshape(info["shape"])
+        t = torch.from_numpy(arr)
+        out[name] = t.view(view) if view is not None else t
+    return out
+
+
 def hf_folder_config(folder: Path) -> ModelConfig:
     c = json.loads((folder / "config.json").read_text())
     arch = c.get("model_type")
@@ -148,14 +215,12 @@ def hf_folder_config(folder: Path) -> ModelConfig:
 
 
 def hf_folder_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{folder}: no .safetensors weights (pickled .bin weights are never loaded)")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(f))
+        sd.update(mmap_safetensors(f))
     return sd
 
 
@@ -172,14 +237,14 @@ def converted_dir(gguf_path: Path) -> Path:
 def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True):
     """Return (config, state_dict, tokenizer folder). ``dtype`` is a torch dtype (dense weights in it) or
     "gguf" (keep the file's own quantization, exact). Converts once, then memory-maps."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     out = converted_dir(path)
     tag = dtype if isinstance(dtype, str) else _dtype_name(dtype)
     weights = out / f"model-{tag}.safetensors"
     cfg_file = out / "draftwise_config.json"
     if weights.exists() and cfg_file.exists() and (out / "tokenizer_config.json").exists():
-        return ModelConfig(**json.loads(cfg_file.read_text())), load_file(weights), out
+        return ModelConfig(**json.loads(cfg_file.read_text())), mmap_safetensors(weights), out
 
     from gguf import GGUFReader
 
@@ -190,6 +255,7 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True):
     sd = gguf_state_dict(reader, cfg, progress, keep_quantized=dtype == "gguf")
     if not isinstance(dtype, str):
         sd = {k: v.to(dtype) for k, v in sd.items()}
+    sd = prefuse(sd, cfg)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -203,7 +269,8 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True):
     (tmp / cfg_file.name).write_text(json.dumps(cfg.to_dict(), indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    return cfg, sd, out
+    del sd  # the converted copy is mapped, like every later load
+    return cfg, mmap_safetensors(weights), out
 
 
 def _save_gguf_tokenizer(path: Path, dest: Path) -> None:

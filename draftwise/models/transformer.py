@@ -167,7 +167,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     def new_cache(self, rows: int = 1, capacity: int | None = None) -> KVCache:
         cfg = self.config
@@ -231,6 +231,23 @@ def _linear(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype, bias: st
     return lin
 
 
+# projections stored fused by the GGUF conversion (models/loading.py prefuse): runs ".0", ".1", ... of parts
+# in the same format, each one matrix, so that a memory-mapped checkpoint needs no concatenation copy
+FUSED_QKV, FUSED_GATE_UP = "self_attn.qkv_proj", "mlp.gate_up_proj"
+
+
+def _prefused(sd: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, storage: torch.dtype | None
+              ) -> nn.Module | None:
+    runs = []
+    while f"{prefix}.{len(runs)}.weight" in sd or f"{prefix}.{len(runs)}.weight.q" in sd:
+        j = len(runs)
+        bias = f"{prefix}.{j}.bias"
+        runs.append(_linear(sd, f"{prefix}.{j}.weight", dtype, bias if bias in sd else None, storage))
+    if not runs:
+        return None
+    return runs[0] if len(runs) == 1 else Concat(runs)
+
+
 def _fuse(parts: list[nn.Module]) -> nn.Module:
     """Merge linears with the same input into one matmul where their storage formats agree."""
     from ..kernels import QLinear
@@ -260,13 +277,44 @@ def _fuse(parts: list[nn.Module]) -> nn.Module:
     return merged[0] if len(merged) == 1 else Concat(merged)
 
 
-def _embedding_weight(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
-    if name + ".q" in sd:  # the lookup table is only indexed, never streamed: keep it dense
+class QEmbedding(nn.Module):
+    """The token embedding kept in its quantized code (llama.cpp's ``get_rows``): a lookup de-quantizes
+    only the rows it needs, element by element with the same operations as de-quantizing the whole table,
+    so the rows equal the dense fp32 table's exactly. A table tied to the output head shares its buffers."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, group: int, bits: int,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.group, self.bits, self.dtype = group, bits, dtype
+        self.register_buffer("q", q)  # (V, D/2) uint8 | (V, D) int8
+        self.register_buffer("scale", scale)  # (V, D/G) float32
+        self.register_buffer("minv", minv)  # (V, D/G) float32, or empty
+        self.num_embeddings = q.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from ..kernels import dequantize
 
-        group, bits = (int(v) for v in sd[name + ".qmeta"])
-        return dequantize(sd[name + ".q"], sd[name + ".scale"], sd.get(name + ".minv"), group, bits).to(dtype)
-    return sd[name].to(dtype)
+        flat = ids.reshape(-1)  # (n,)
+        minv = self.minv[flat] if self.minv.numel() else None
+        rows = dequantize(self.q[flat], self.scale[flat], minv, self.group, self.bits)  # (n, D) float32
+        return rows.to(self.dtype).view(*ids.shape, -1)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, int{self.bits}, group={self.group}"
+
+
+def _embedding(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype, head: nn.Module | None) -> nn.Module:
+    """The input embedding: quantized tables stay in their code (sharing the tied head's buffers)."""
+    if name + ".q" not in sd:
+        return nn.Embedding.from_pretrained(sd[name].to(dtype), freeze=True)
+    from ..kernels import QLinear
+
+    if isinstance(head, QLinear):  # tied: the head holds this very code
+        return QEmbedding(head.q, head.scale, head.minv, head.group, head.bits, dtype)
+    group, bits = (int(v) for v in sd[name + ".qmeta"])
+    minv = sd.get(name + ".minv")
+    return QEmbedding(sd[name + ".q"].contiguous(), sd[name + ".scale"].float().contiguous(),
+                      (minv if minv is not None else torch.empty(0)).float().contiguous(), group, bits, dtype)
 
 
 def from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -276,11 +324,11 @@ def from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.
     with torch.device("meta"):
         model = Transformer(cfg, dtype)
     emb = "model.embed_tokens.weight"
-    model.embed = nn.Embedding.from_pretrained(_embedding_weight(sd, emb, dtype), freeze=True)
     model.norm.weight = nn.Parameter(sd["model.norm.weight"].to(dtype), requires_grad=False)
     head = "lm_head.weight" if ("lm_head.weight" in sd or "lm_head.weight.q" in sd) else emb
     model.lm_head = _linear(sd, head, dtype, storage=storage) if head != emb or emb + ".q" in sd or storage \
         else None
+    model.embed = _embedding(sd, emb, dtype, model.lm_head if head == emb else None)
     if model.lm_head is None:  # tied, dense: share the table
         model.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
         model.lm_head.weight = model.embed.weight
@@ -289,10 +337,12 @@ def from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.
         layer.attn_norm.weight = nn.Parameter(sd[p + "input_layernorm.weight"].to(dtype), requires_grad=False)
         layer.mlp_norm.weight = nn.Parameter(sd[p + "post_attention_layernorm.weight"].to(dtype), requires_grad=False)
         lin = lambda n, b=None: _linear(sd, p + n, dtype, b, storage)  # noqa: E731
-        layer.attn.qkv = _fuse([lin(f"self_attn.{n}_proj.weight", p + f"self_attn.{n}_proj.bias" if cfg.qkv_bias
-                                    else None) for n in "qkv"])
+        layer.attn.qkv = _prefused(sd, p + FUSED_QKV, dtype, storage) or _fuse(
+            [lin(f"self_attn.{n}_proj.weight", p + f"self_attn.{n}_proj.bias" if cfg.qkv_bias else None)
+             for n in "qkv"])
         layer.attn.o = lin("self_attn.o_proj.weight")
-        layer.mlp.gate_up = _fuse([lin("mlp.gate_proj.weight"), lin("mlp.up_proj.weight")])
+        layer.mlp.gate_up = _prefused(sd, p + FUSED_GATE_UP, dtype, storage) or _fuse(
+            [lin("mlp.gate_proj.weight"), lin("mlp.up_proj.weight")])
         layer.mlp.down = lin("mlp.down_proj.weight")
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
