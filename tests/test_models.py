@@ -336,3 +336,64 @@ def test_mmap_safetensors_reads_every_dtype(tmp_path):
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
     got["f32"][0, 0] = 123.0  # private mapping: the file is not written
     assert torch.equal(mmap_safetensors(tmp_path / "x.safetensors")["f32"], tensors["f32"])
+
+
+def test_kv_cache_memory_is_committed_as_it_is_used():
+    """A 4k-token cache row costs its reserved size only once written: RSS grows with the positions
+    used (the OS commits pages on first write), not with the capacity."""
+    from draftwise.models.base import KVCache
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = rss()
+    cache = KVCache(8, 1, 2, 4096, 64, torch.float32)  # 2 x 16 MiB reserved
+    reserved = cache.nbytes()
+    after_alloc = rss()
+    cache.k[:, 0, :, :64] = 1.0
+    cache.v[:, 0, :, :64] = 1.0
+    after_write = rss()
+    assert after_alloc - before < reserved // 8
+    assert after_write - before < reserved // 8  # 64 of 4096 positions written
+
+
+TOKENIZER_TEXTS = ["def quicksort(arr):\n    return arr", "  héllo 你好 <|im_end|> x", "\n\n\t  spaces   ", "",
+                   "The quick brown fox, 1234567 ünïcödé 🙂"]
+
+
+def _lean_equals_transformers(folder) -> None:
+    from transformers import AutoTokenizer
+
+    from draftwise.models.tokenizer import Tokenizer
+
+    lean, hf = Tokenizer.from_folder(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert lean._hf is None  # the lean path (no transformers tokenizer built)
+    for s in TOKENIZER_TEXTS:
+        ids = hf.encode(s)
+        assert lean.encode(s) == ids, s
+        for skip in (True, False):
+            assert lean.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip), s
+    assert lean.vocab_size == len(hf) and lean.vocab_signature() == hf.get_vocab()
+    assert lean.eos_ids == Tokenizer.from_hf(hf).eos_ids
+    if lean.has_chat_template:
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        text = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert lean.apply_chat(msgs) == hf.encode(text, add_special_tokens=False)
+
+
+def test_lean_tokenizer_equals_transformers(hf_folder):
+    _lean_equals_transformers(hf_folder)
+
+
+@pytest.mark.slow
+def test_lean_tokenizer_equals_transformers_on_real_models(smollm):
+    from draftwise.models import load_model
+
+    _lean_equals_transformers(smollm.tokenizer.folder)
+    for name in ("qwen2.5-coder-0.5b-instruct",):
+        try:
+            lm = load_model(name, progress=False)
+        except Exception as e:  # not downloadable here
+            pytest.skip(f"{name}: {e}")
+        _lean_equals_transformers(lm.tokenizer.folder)

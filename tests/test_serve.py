@@ -465,8 +465,12 @@ def test_metrics_names(tiny_server):
     text = httpx.get(tiny_server.base_url + "/metrics").text
     for name in ("draftwise_requests_total", "draftwise_generation_tokens_total", "draftwise_queue_depth",
                  "draftwise_batch_size", "draftwise_acceptance_rate", "draftwise_mean_accepted_length",
-                 "draftwise_tokens_per_second", "draftwise_gamma", "draftwise_steps_total"):
+                 "draftwise_tokens_per_second", "draftwise_gamma", "draftwise_steps_total",
+                 "draftwise_process_resident_memory_bytes", "draftwise_kv_cache_tokens",
+                 "draftwise_kv_cache_bytes_in_use", "draftwise_kv_cache_bytes_limit"):
         assert name in text, name
+    rss = [ln for ln in text.splitlines() if ln.startswith("draftwise_process_resident_memory_bytes ")]
+    assert float(rss[0].split()[1]) > 50e6
 
 
 # ---- the command line -----------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class BenchConfig:
     seed: int | None = None
     warmup_tokens: int = 8
     bandwidth_gib: float = 0.5  # 0: skip the roofline measurement
+    footprint: bool = True  # peak RSS and load time per method, each in a fresh process
     out: str = "bench-out"
 
 
@@ -261,10 +262,17 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
               "timing": "wall clock per generate call on pre-tokenized ids, prefill included; warm-up excluded; "
                         "methods interleaved per prompt, order rotated",
               "peers": runner.peer_settings()}
+    footprint = None
+    llama_ctx = runner.llama.n_ctx if runner.llama is not None else None
     if runner.llama is not None:
         runner.llama.close()  # the llama.cpp contexts (KV caches, logits buffers) are not needed past here
-    return {"methods": agg, "config": config, "roofline": rf, "mismatches": mismatches, "skipped": skipped,
-            "per_prompt": per_prompt}
+    if cfg.footprint and not interrupted:
+        from .footprint import measure as measure_footprint
+
+        footprint = measure_footprint(methods, cfg, work[0][1], llama_ctx, runner.dw.tokenizer.eos_ids,
+                                      torch.get_num_threads(), log)
+    return {"methods": agg, "config": config, "roofline": rf, "footprint": footprint, "mismatches": mismatches,
+            "skipped": skipped, "per_prompt": per_prompt}
 
 
 # ---- command line --------------------------------------------------------------------------------------
@@ -286,6 +294,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed warm-up run per method")
     p.add_argument("--bandwidth-gib", type=float, default=0.5,
                    help="GiB streamed to measure memory bandwidth for the roofline (0 = skip)")
+    p.add_argument("--no-footprint", dest="footprint", action="store_false",
+                   help="skip the per-method peak RSS / load time measurement (a fresh process per method)")
     p.add_argument("--out", default="bench-out", help="output folder (default bench-out)")
 
 
@@ -297,7 +307,7 @@ def config_from_args(args) -> BenchConfig:
                        if args.categories else None,
                        limit=args.limit, max_tokens=args.max_tokens, chat=args.chat, temperature=args.temperature,
                        seed=args.seed, warmup_tokens=args.warmup_tokens, bandwidth_gib=args.bandwidth_gib,
-                       out=args.out)
+                       footprint=args.footprint, out=args.out)
 
 
 def cmd_bench(args) -> int:
@@ -335,6 +345,17 @@ def summary(results: dict, console) -> None:
                   report._f(s["acceptance_rate"]), report._f(s["mean_accepted_length"]), str(s["mismatches"]),
                   *([report.own_match(s)] if own else []))
     console.print(t)
+    fp = results.get("footprint")
+    if fp:
+        ft = Table("method", "peak RSS", "load s", "generate s", "whole process s",
+                   title="memory and start-up (a fresh process per method, first prompt)")
+        for m, r in fp.items():
+            if "error" in r:
+                ft.add_row(m, r["error"], "", "", "")
+            else:
+                ft.add_row(m, f"{r['peak_rss_mb']:.0f} MiB", f"{r['load_s']:.2f}", f"{r['generate_s']:.2f}",
+                           f"{r['wall_s']:.2f}")
+        console.print(ft)
     rf = results.get("roofline")
     if rf:
         console.print(f"roofline: {rf['bandwidth_gb_s']:.1f} GB/s ÷ {rf['weight_bytes_per_token'] / 1e9:.3f} GB/token "

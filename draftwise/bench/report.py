@@ -227,6 +227,16 @@ def markdown(results: dict) -> str:
                                   str(m["first_diff"]), str(m["tokens"]), str(m["reference_tokens"])] for m in peer])
                          if peer else "Every peer equals `ar` token for token." if peers_checked else
                          "Not compared: peers sample with their own generators."))
+    fp = results.get("footprint")
+    if fp:
+        rows = [[f"`{m}`", r["error"], "", "", ""] if "error" in r else
+                [f"`{m}`", f"{r['peak_rss_mb']:.0f} MiB", f"{r['load_s']:.2f}", f"{r['generate_s']:.2f}",
+                 f"{r['wall_s']:.2f}"] for m, r in fp.items()]
+        parts.append("## Memory and start-up\n\nEach method in a fresh process that loads only what it needs and "
+                     "generates the first prompt once: peak resident set (VmHWM), model load time, generation "
+                     "time, and the whole process (interpreter start and imports included). llama.cpp peers run "
+                     "in a process that imports llama-cpp-python alone.\n\n" + _table(
+                         ["method", "peak RSS", "load s", "generate s", "whole process s"], rows))
     if results.get("skipped"):
         parts.append("## Skipped prompts\n\n" + "\n".join(f"- {s['question_id']} ({s['category']}): {s['reason']}"
                                                           for s in results["skipped"]))

@@ -87,8 +87,6 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: st
     Every format computes in fp32 through draftwise's batch-invariant kernel (weights stay in their
     format: int4 / int8 codes, bf16, fp32); without a C++ compiler, dense formats fall back to torch.
     """
-    from transformers import AutoTokenizer
-
     t0 = time.perf_counter()
     if backend not in ("native", "hf"):
         raise InvalidParameterError(f"unknown backend {backend!r}; choose native or hf")
@@ -119,8 +117,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: st
     if weights in ("int8", "int4"):
         sd = _quantize_linears(sd, 8 if weights == "int8" else 4)
     model = from_state_dict(cfg, sd, compute, storage)
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    return LoadedModel(name_or_path, model, Tokenizer.from_hf(tok), time.perf_counter() - t0, weights)
+    return LoadedModel(name_or_path, model, Tokenizer.from_folder(tok_dir), time.perf_counter() - t0, weights)
 
 
 def _snapshot(repo_id: str) -> Path:

@@ -54,9 +54,11 @@ class Rotary:
     CPU for the same GGUF to give the same tokens everywhere."""
 
     def __init__(self, head_dim: int, theta: float):
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self.cos = torch.empty(0, head_dim)
-        self.sin = torch.empty(0, head_dim)
+        # device="cpu" even inside a meta-device context (model construction): ops on meta tensors go
+        # through torch's Python references, whose first use imports torch._dynamo (seconds of start-up)
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+        self.cos = torch.empty(0, head_dim, device="cpu")
+        self.sin = torch.empty(0, head_dim, device="cpu")
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
@@ -158,7 +160,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # given a (meta) weight, nn.Embedding skips its random init: normal_ on the meta device would
+        # import torch._dynamo (~2.5 s of start-up) for a table the checkpoint replaces anyway
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                  _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -14,8 +14,10 @@ waiting sequences into free rows (up to ``max_prefill_tokens`` prompt tokens, so
 not starved by a burst of long prompts), then one ``Decoder.step()`` for every running sequence, then
 hand each sequence's new text to its sink. Requests join and leave the batch between steps.
 
-Memory: the KV caches of target and draft model are allocated once at start, ``rows`` rows of
-``max_model_len`` (+ draft headroom) tokens each, ``rows`` chosen to fit ``kv_cache_mb``. When every row
+Memory: the KV caches of target and draft model are reserved once at start, ``rows`` rows of
+``max_model_len`` (+ draft headroom) tokens each, ``rows`` chosen to fit ``kv_cache_mb``; the OS commits
+their pages as positions are first written (``KVCache`` uses ``torch.empty``), so a short answer costs
+what it uses, and ``kv_cache_mb`` stays the upper bound. When every row
 is busy requests wait; when ``max_queue`` are waiting ``submit`` refuses (``EngineFullError``, HTTP 503).
 Nothing grows with load, so load cannot exhaust memory.
 
@@ -227,6 +229,7 @@ class Engine:
         per_token = kv_bytes_per_token(model.config, model.dtype)
         if cfg.method == "draft":
             per_token += kv_bytes_per_token(dw.draft.model.config, dw.draft.model.dtype)
+        self.kv_bytes_per_token = per_token
         self.row_bytes = per_token * self.capacity
         fit = int(cfg.kv_cache_mb * 2**20 // self.row_bytes)
         if fit < 1:
@@ -348,6 +351,11 @@ class Engine:
             requests = len(self._requests)
         return {"running": len(self.decoder.running), "waiting": waiting, "requests": requests,
                 "rows": self.rows, "gamma": self.gamma_now, "steps": self.steps, "alive": self.alive}
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens in the cache rows of the running sequences (approximate while a step runs)."""
+        return sum(len(s.tokens) for s in list(self.decoder.running))
 
     @property
     def queue_depth(self) -> int:

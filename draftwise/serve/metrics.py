@@ -6,7 +6,7 @@ import collections
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
 WINDOW_S = 10.0  # tokens/s, acceptance rate and τ gauges cover the steps of the last WINDOW_S seconds
@@ -47,6 +47,15 @@ class EngineMetrics:
             self.acceptance_rate)
         g("mean_accepted_length", f"τ = tokens per row per target pass over the last {WINDOW_S:g} s"
           ).set_function(self.mean_accepted_length)
+        # memory: the process (draftwise_process_resident_memory_bytes, ...) and the KV cache in use
+        ProcessCollector(namespace=ns, registry=r)
+        g("kv_cache_tokens", "Tokens held in the KV cache rows of running sequences").set_function(
+            lambda: engine.kv_tokens)
+        g("kv_cache_bytes_in_use", "Bytes of KV cache (target + draft) those tokens occupy; the OS commits "
+          "cache memory page by page as positions are written").set_function(
+            lambda: engine.kv_tokens * engine.kv_bytes_per_token)
+        g("kv_cache_bytes_limit", "The KV cache's upper bound (--kv-cache-mb, whole rows)").set_function(
+            lambda: engine.rows * engine.row_bytes)
         self._window: collections.deque[tuple[float, int, int, int, int]] = collections.deque()
         self._mu = threading.Lock()
 
