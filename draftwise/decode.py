@@ -146,7 +146,8 @@ class Decoder:
             try:
                 results.append(self._verify(s, d, logits[i, :1 + len(d.tokens)]))
             except Exception as e:
-                results.append(self._fail(s, e))
+                self._fail(s, e)
+                results.append(None)
         view.set_lengths([n + (r.num_accepted if r else 0) for n, r in zip(n_before, results)])  # roll back
         t2 = time.perf_counter()
         for i, (s, d, r) in enumerate(zip(seqs, drafts, results)):
@@ -188,7 +189,6 @@ class Decoder:
     def _fail(seq: Sequence, error: Exception) -> None:
         """A per-sequence step raised: the sequence ends with finish_reason "error" (``seq.error``)."""
         seq.error, seq.finish_reason = error, "error"
-        return None
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:

@@ -91,16 +91,15 @@ class Sequence:
     started: float = field(default_factory=time.perf_counter)
     _uniforms: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
-    def uniforms(self, position: int, size: int | None = None) -> np.ndarray:
+    def uniforms(self, position: int, size: int) -> np.ndarray:
         """A seeded sequence's keyed uniforms at output position ``position`` (``position_uniforms``),
-        cached while the position lies ahead of the output: a drafter drawing there (coupled) and the
-        verifier use the same ones. ``size``: at least this many (a prefix of a longer draw is the
-        shorter draw)."""
+        at least ``size`` of them (a prefix of a longer draw is the shorter draw), cached while the
+        position lies ahead of the output: a drafter drawing there (coupled) and the verifier share them."""
         u = self._uniforms.get(position)
-        if u is None or (size is not None and len(u) < size):
+        if u is None or len(u) < size:
             for old in [q for q in self._uniforms if q < self.num_output]:
                 del self._uniforms[old]
-            u = self._uniforms[position] = position_uniforms(self.params.seed, position, size or 0)
+            u = self._uniforms[position] = position_uniforms(self.params.seed, position, size)
         return u
 
     def __post_init__(self):

@@ -381,7 +381,7 @@ class Engine:
                     self._step()
                 except Exception as e:  # a bug must not take the server down: fail what is running
                     log.error("engine step failed:\n%s", traceback.format_exc())
-                    self._fail_all(f"internal error in the decode loop: {type(e).__name__}: {e}")
+                    self._fail_all(f"internal error in the decode loop: {type(e).__name__}")
         self._fail_all("the server is shutting down", rebuild=False)
 
     def _drop(self, cancelled: set[str]) -> None:
@@ -415,7 +415,7 @@ class Engine:
                 continue
             except Exception as e:  # the prefill of this sequence raised: fail its request alone
                 log.error("prefill of %s failed:\n%s", seq.request_id, traceback.format_exc())
-                self._fail_request(seq.request, f"internal error: {type(e).__name__}: {e}")
+                self._fail_request(seq.request, f"internal error: {type(e).__name__}")
                 continue
             self.metrics.prompt_tokens.inc(seq.prompt_len)
             self._emit(seq)
@@ -443,13 +443,13 @@ class Engine:
             if s.error is not None:  # its step raised (Decoder._fail): that request fails alone
                 log.error("sequence of %s failed:\n%s", s.request_id,
                           "".join(traceback.format_exception(s.error)))
-                self._fail_request(s.request, f"internal error: {type(s.error).__name__}: {s.error}")
+                self._fail_request(s.request, f"internal error: {type(s.error).__name__}")
                 continue
             try:
                 self._emit(s)
             except Exception as e:
                 log.error("output of %s failed:\n%s", s.request_id, traceback.format_exc())
-                self._fail_request(s.request, f"internal error: {type(e).__name__}: {e}")
+                self._fail_request(s.request, f"internal error: {type(e).__name__}")
 
     @property
     def speculation_on(self) -> bool:
