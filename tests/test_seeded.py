@@ -153,7 +153,7 @@ def test_seeded_sampled_output_has_target_distribution(method):
     """Over many seeds, the seeded speculative output's first two tokens follow the target's exact joint
     distribution (chi-square), as the unseeded path's do (test_decode)."""
     from tests.conftest import TINY, perturbed
-    from tests.test_decode import _first_two_tokens_exact
+    from tests.test_decode import _first_two_tokens_exact, first_two_tokens_pvalue
 
     cfg = TINY.__class__(**{**TINY.to_dict(), "vocab_size": 6})
     target = random_model(cfg, seed=11)
@@ -162,14 +162,6 @@ def test_seeded_sampled_output_has_target_distribution(method):
     exact = _first_two_tokens_exact(target, prompt, SamplingParams(temperature=1.0, max_tokens=2))
     drafter = {"draft": DraftModelDrafter(draft, 1, 64), "pld": PromptLookupDrafter(), "nasd": NASDDrafter()}[method]
     dec = Decoder(target, drafter, FixedGamma(3), rows=1, capacity=64)
-    counts = torch.zeros(6, 6)
-    n = 3000
-    for seed in range(n):
-        seq = Sequence(prompt, SamplingParams(temperature=1.0, max_tokens=2, seed=seed * 7919 + 1))
-        dec.run([seq])
-        a, b = seq.output_ids
-        counts[a, b] += 1
-    mask = exact.flatten() * n >= 5
-    obs, exp = counts.flatten()[mask], exact.flatten()[mask] * n
-    exp = exp * obs.sum() / exp.sum()
-    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+    seqs = (Sequence(prompt, SamplingParams(temperature=1.0, max_tokens=2, seed=seed * 7919 + 1))
+            for seed in range(3000))
+    assert first_two_tokens_pvalue(dec, seqs, exact) > 1e-3
