@@ -143,50 +143,6 @@ inline void column_f32(const QmmArgs& a, int64_t n, int64_t m0) {
   }
 }
 
-template <template <int> class F>
-inline void for_blocks(const QmmArgs& a, int64_t n0, int64_t n1) {
-  // Tiles: a block of weight rows (kept in L2) against each block of MB_MAX activation rows (in L1), so
-  // that a long prefill does not re-stream all of x for every output column. Each (row, column) is still
-  // computed by the same instruction sequence, so the tiling changes no bit.
-  const int64_t rowbytes = a.K * a.bits / 8, fit = (256 << 10) / rowbytes;  // weight rows in 256 KiB
-  const int64_t nb = a.M <= MB_MAX ? n1 - n0 : (fit < 1 ? 1 : fit > 64 ? 64 : fit);
-  for (int64_t b0 = n0; b0 < n1; b0 += nb) {
-    const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
-    for (int64_t m0 = 0; m0 < a.M; m0 += MB_MAX)
-      for (int64_t n = b0; n < b1; ++n) {
-        switch (a.M - m0 < MB_MAX ? a.M - m0 : MB_MAX) {
-          case 1: F<1>::run(a, n, m0); break;
-          case 2: F<2>::run(a, n, m0); break;
-          case 3: F<3>::run(a, n, m0); break;
-          case 4: F<4>::run(a, n, m0); break;
-          case 5: F<5>::run(a, n, m0); break;
-          case 6: F<6>::run(a, n, m0); break;
-          case 7: F<7>::run(a, n, m0); break;
-          default: F<8>::run(a, n, m0); break;
-        }
-      }
-  }
-}
-
-template <int MB> struct Q8Int4 { static void run(const QmmArgs& a, int64_t n, int64_t m0) { column_q8<MB, true>(a, n, m0); } };
-template <int MB> struct Q8Int8 { static void run(const QmmArgs& a, int64_t n, int64_t m0) { column_q8<MB, false>(a, n, m0); } };
-template <int MB> struct F32W4 { static void run(const QmmArgs& a, int64_t n, int64_t m0) { column_f32<MB, 4>(a, n, m0); } };
-template <int MB> struct F32W8 { static void run(const QmmArgs& a, int64_t n, int64_t m0) { column_f32<MB, 8>(a, n, m0); } };
-template <int MB> struct F32W16 { static void run(const QmmArgs& a, int64_t n, int64_t m0) { column_f32<MB, 16>(a, n, m0); } };
-template <int MB> struct F32W32 { static void run(const QmmArgs& a, int64_t n, int64_t m0) { column_f32<MB, 32>(a, n, m0); } };
-
-void qmm_q8(const QmmArgs& a, int64_t n0, int64_t n1) {
-  if (a.bits == 4) for_blocks<Q8Int4>(a, n0, n1);
-  else for_blocks<Q8Int8>(a, n0, n1);
-}
-
-void qmm_f32(const QmmArgs& a, int64_t n0, int64_t n1) {
-  switch (a.bits) {
-    case 4: for_blocks<F32W4>(a, n0, n1); break;
-    case 8: for_blocks<F32W8>(a, n0, n1); break;
-    case 16: for_blocks<F32W16>(a, n0, n1); break;
-    default: for_blocks<F32W32>(a, n0, n1); break;
-  }
-}
+#include "tiles.h"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
 
 }  // namespace
