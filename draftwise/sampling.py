@@ -6,8 +6,8 @@ logits, so the draft distribution q the drafts are sampled from is exactly the q
 Draws:
 - unseeded requests draw from their own ``torch.Generator`` in step order (``sample``);
 - seeded requests draw *position-keyed* (``sample_at``): the token at output position i is
-  ``argmax_j p_j / E_j`` with ``E_j ~ Exp(1)`` from Philox-4x64 keyed by (seed, i) alone — the exponential
-  race (the Gumbel-max trick), an exact sample of p. Nothing depends on how positions were grouped into
+  ``argmax_j p_j / E_j`` with ``E_j = -log u_j ~ Exp(1)``, u from SFC64 seeded by (seed, i) alone — the
+  exponential race (the Gumbel-max trick), an exact sample of p. Nothing depends on how positions were grouped into
   verification steps, so a seed means the same text whatever γ, batch and load, and every method equals
   plain decoding with the same seed (see ``verify.verify_keyed``). A drafter using the same noise for its
   own distribution q (``sample_at(q, seed, i)``) proposes the target's token with high probability when
@@ -97,8 +97,6 @@ def check_seed(seed) -> int | None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX:
         raise InvalidParameterError(f"seed must be an integer in [-2**63, 2**64 - 1], got {seed!r}")
     return seed % (1 << 64)
-
-
 
 
 def position_uniforms(seed: int, position: int, size: int) -> np.ndarray:
