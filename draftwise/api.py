@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode import Decoder, FixedGamma, GammaPolicy
+from .beam import beam_search
+from .decode import MAX_TREE_TOKENS, Decoder, FixedGamma, GammaPolicy
 from .gamma import AdaptiveGamma, measure_forward_costs
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter, check_compatible
@@ -25,7 +26,28 @@ from .sequence import GenerationStats, Sequence
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-METHODS = ("ar", "draft", "pld", "nasd")
+METHODS = ("ar", "draft", "pld", "nasd", "draft-tree", "pld-tree", "nasd-tree", "medusa")
+HEAD_METHODS = ("medusa",)  # draft heads trained on the target (``draftwise train-head``), token trees
+TREE_SUFFIX = "-tree"  # the same drafter proposing a token tree (``branches`` > 1, default TREE_WIDTH)
+TREE_WIDTH = 3
+
+
+def drafter_kind(method: str) -> tuple[str, bool]:
+    """"pld-tree" -> ("pld", True); "draft" -> ("draft", False)."""
+    return (method[:-len(TREE_SUFFIX)], True) if method.endswith(TREE_SUFFIX) else (method, False)
+
+
+def uses_draft_model(method: str) -> bool:
+    return drafter_kind(method)[0] == "draft"
+
+
+def tree_options(method: str, width: int, heads: str | None = None) -> dict:
+    """drafter options: a tree method's branches, a head method's heads folder."""
+    opts: dict = {"branches": width} if method.endswith(TREE_SUFFIX) or method in HEAD_METHODS else {}
+    if method in HEAD_METHODS and heads:
+        opts["heads"] = heads
+    return opts
+BEAM = "beam"  # beam search: a baseline beside the lossless methods (another search, not ar's output)
 AUTO_MAX_GAMMA = 8  # the adaptive policy chooses γ in [0, 8] per step
 
 
@@ -63,8 +85,9 @@ class SpeculativeDecoder:
         self.draft_dtype = draft_dtype or dtype
         self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype, backend, progress)
         self._draft_ref = draft
+        self._heads: dict[str, object] = {}
         self._auto: dict[str, AdaptiveGamma] = {}  # per method: step costs are learned across requests
-        self._target_costs: list[float] | None = None  # measured forward seconds for T = 1, 2, ... (prime)
+        self._target_costs: dict[int, float] = {}  # measured forward seconds over T new tokens (prime)
         self._draft_cost: float | None = None
         self._draft: LoadedModel | None = draft if isinstance(draft, LoadedModel) else None
         if self._draft is not None:
@@ -84,6 +107,18 @@ class SpeculativeDecoder:
             self._draft = d
         return self._draft
 
+    def heads(self, folder: str):
+        """Draft heads from ``folder`` (loaded once), checked against this target's weight file."""
+        if folder not in self._heads:
+            from .heads import load_heads, target_identity
+            from .models.registry import resolve
+
+            if self.backend != "native":
+                raise InvalidParameterError("draft heads need the native backend")
+            sha = target_identity(resolve(self.target.name, progress=False))
+            self._heads[folder] = load_heads(folder, sha).for_inference()
+        return self._heads[folder]
+
     def _check_draft(self, d: LoadedModel) -> None:
         check_compatible(self.target.tokenizer, d.tokenizer, self.target.config, d.config)
 
@@ -99,12 +134,23 @@ class SpeculativeDecoder:
     def make_drafter(self, method: str, rows: int, capacity: int, **opts) -> Drafter | None:
         if method == "ar":
             return None
-        if method == "draft":
-            return DraftModelDrafter(self.draft.model, rows, capacity)
-        if method == "pld":
+        base, tree = drafter_kind(method)
+        opts = {"branches": TREE_WIDTH if tree else 1, **opts}
+        if method in METHODS and base == "draft":
+            return DraftModelDrafter(self.draft.model, rows, capacity, **opts)
+        if method in METHODS and base == "pld":
             return PromptLookupDrafter(**opts)
-        if method == "nasd":
+        if method in METHODS and base == "nasd":
             return NASDDrafter(**opts)
+        if method == "medusa":
+            from .drafters.medusa import MedusaDrafter
+
+            heads = opts.pop("heads", None)
+            if not heads:
+                raise InvalidParameterError("method 'medusa' needs draft heads (--heads DIR, trained with "
+                                            "`draftwise train-head --kind medusa`)")
+            opts["branches"] = opts.get("branches", TREE_WIDTH)
+            return MedusaDrafter(self.heads(heads), **opts)
         raise InvalidParameterError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
     def gamma_policy(self, method: str, gamma: int | str | GammaPolicy, params: SamplingParams | None = None
@@ -132,24 +178,36 @@ class SpeculativeDecoder:
         once per process (about two seconds for the 1.5B target)."""
         if method == "ar" or self.backend != "native":
             return policy
-        k_max = policy.max_gamma
-        if self._target_costs is None or len(self._target_costs) < k_max + 1:
-            self._target_costs = measure_forward_costs(self.target.model, k_max + 1)
+        base, tree = drafter_kind(method)
+        width = TREE_WIDTH if tree or method in HEAD_METHODS else 1
+        fed = [1 + min(k * width, MAX_TREE_TOKENS - 1) for k in range(policy.max_gamma + 1)]  # tokens per pass
+        missing = sorted(set(fed) - set(self._target_costs))
+        if missing:
+            self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
+                                                                         sizes=missing)))
         per_draft = 0.0
-        if method == "draft":
+        if base == "draft":
             if self._draft_cost is None:
                 self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0]
             per_draft = self._draft_cost
-        for k in range(k_max + 1):
-            policy.prime(1, k, self._target_costs[k] + k * per_draft)
+        for k, T in enumerate(fed):
+            policy.prime(1, k, self._target_costs[T] + k * per_draft)
         return policy
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
                  method: str = "draft", gamma: int | str | GammaPolicy = "auto", chat: bool = False,
-                 drafter_options: dict | None = None) -> GenerationResult:
+                 drafter_options: dict | None = None, num_beams: int = 4,
+                 length_penalty: float = 1.0) -> GenerationResult:
+        """``method="beam"``: beam search (greedy only; ``num_beams``, ``length_penalty``; see beam.py)."""
         params = params or SamplingParams()
         ids = list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
             else self.encode(prompt, chat)
+        if method == BEAM:
+            with torch.inference_mode():
+                r = beam_search(self.target.model, ids, params, num_beams=num_beams, length_penalty=length_penalty,
+                                eos_ids=self.tokenizer.eos_ids)
+            return GenerationResult(self.tokenizer.decode(r.token_ids), r.token_ids, ["plain"] * len(r.token_ids),
+                                    method, r.finish_reason, r.stats)
         policy = self.gamma_policy(method, gamma, params)
         capacity = len(ids) + params.max_tokens + policy.max_gamma + 2
         capacity = min(capacity, self.target.config.max_context + policy.max_gamma + 2)

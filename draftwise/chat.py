@@ -8,7 +8,7 @@ import sys
 
 from rich.console import Console
 
-from .api import METHODS, SpeculativeDecoder
+from .api import METHODS, SpeculativeDecoder, tree_options
 from .cli import LEGEND, _params, _setup_threads, render, summary_line
 from .errors import DraftwiseError
 
@@ -38,8 +38,9 @@ class ChatSession:
                 f"top_k={a.top_k} max_tokens={a.max_tokens} seed={a.seed} chat={self.chat} colour={self.colour}")
 
     def generate(self, prompt: str, method: str | None = None, show: bool = True):
-        res = self.dw.generate(prompt, _params(self.args), method=method or self.method, gamma=self.gamma,
-                               chat=self.chat)
+        method = method or self.method
+        res = self.dw.generate(prompt, _params(self.args), method=method, gamma=self.gamma, chat=self.chat,
+                               drafter_options=tree_options(method, self.args.tree_width, self.args.heads))
         if show:
             render(res, self.dw.tokenizer, self.console, colour=self.colour)
             self.console.print(f"[dim]{escape(summary_line(res))}[/]{LEGEND if self.colour else ''}")

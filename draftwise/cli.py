@@ -1,5 +1,6 @@
 """Command line: ``draftwise generate``, ``draftwise chat``, ``draftwise bench`` (bench/harness.py),
 ``draftwise agreement`` (bench/agreement.py), ``draftwise info`` (CPU features and kernel path),
+``draftwise cache ls|rm`` (models/cache.py),
 ``draftwise serve`` and ``draftwise bench-serve`` (serve/cli.py).
 
 Every user error (unknown model, bad parameter, prompt too long, ...) is printed as one clear line on
@@ -13,7 +14,7 @@ import json
 import os
 import sys
 
-from .api import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
+from .api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, METHODS, TREE_WIDTH, tree_options
 from .errors import DraftwiseError, InvalidParameterError
 from .serve import cli as serve_cli
 
@@ -37,6 +38,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"model name, GGUF file, HF folder or hub id "
                                                              f"(default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --method draft (default {DEFAULT_DRAFT})")
+    p.add_argument("--heads", default=None, help="draft heads folder for --method medusa (`draftwise train-head`)")
     p.add_argument("--dtype", default="auto", choices=["auto", "gguf", "int8", "int4", "bf16", "fp32"],
                    help="weight format: auto (a GGUF keeps its own quantization, exact; else bf16), gguf, "
                         "int8 / int4 (round-to-nearest, groups of 32), bf16, fp32")
@@ -48,8 +50,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="draft", choices=METHODS, help="drafting method (default draft)")
+def _sampling_args(p: argparse.ArgumentParser, methods=METHODS) -> None:
+    p.add_argument("--method", default="draft", choices=methods, help="drafting method (default draft)")
     p.add_argument("--gamma", type=_gamma, default="auto",
                    help="draft tokens per step, or auto (default): chosen each step from the measured cost of "
                         "verifying k tokens and the running acceptance")
@@ -59,6 +61,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--tree-width", type=serve_cli.positive_int, default=TREE_WIDTH,
+                   help=f"branches of the *-tree methods' token trees (default {TREE_WIDTH})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion for PROMPT")
     g.add_argument("prompt")
     _model_args(g)
-    _sampling_args(g)
+    _sampling_args(g, (*METHODS, BEAM))
+    g.add_argument("--num-beams", type=int, default=4, help="beams of --method beam (default 4)")
+    g.add_argument("--length-penalty", type=float, default=1.0,
+                   help="--method beam: hypotheses score sum_logprobs / len ** L (default 1.0)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--no-color", action="store_true", help="plain text output")
@@ -87,8 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     agreement_args(a)
     serve_cli.add_parsers(sub, _model_args, METHODS)
+    from .train_head import add_arguments as train_head_args
+
+    t = sub.add_parser("train-head", help="train draft heads (Medusa) on the target itself, on this CPU")
+    t.add_argument("--target", default=DEFAULT_TARGET, help=f"model the heads draft for (default {DEFAULT_TARGET})")
+    t.add_argument("--dtype", default="auto", choices=["auto", "gguf", "int8", "int4", "bf16", "fp32"],
+                   help="the target's weight format (default auto); use the one you will decode with")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    train_head_args(t)
     i = sub.add_parser("info", help="version, CPU features, the kernel path chosen and whether the kernel built")
     i.add_argument("--json", action="store_true", help="print one JSON object")
+    from .models.cache import add_arguments as cache_args
+
+    cache_args(sub.add_parser("cache", help="list (ls) or remove (rm) what draftwise keeps in $DRAFTWISE_HOME"))
     return ap
 
 
@@ -139,14 +157,20 @@ def cmd_generate(args) -> int:
     from rich.markup import escape
 
     params = _params(args)  # validate before loading anything
+    if args.method == BEAM:
+        from .beam import check_beam_params
+
+        check_beam_params(params, args.num_beams, args.length_penalty)
     if not args.prompt:
         raise InvalidParameterError("empty prompt")
     _setup_threads(args)
-    from .api import SpeculativeDecoder
+    from .api import SpeculativeDecoder, uses_draft_model
 
-    dw = SpeculativeDecoder(args.target, args.draft if args.method == "draft" else None, dtype=args.dtype,
+    dw = SpeculativeDecoder(args.target, args.draft if uses_draft_model(args.method) else None, dtype=args.dtype,
                             draft_dtype=args.draft_dtype, backend=args.backend, progress=not args.json)
-    result = dw.generate(args.prompt, params, method=args.method, gamma=args.gamma, chat=args.chat)
+    result = dw.generate(args.prompt, params, method=args.method, gamma=args.gamma, chat=args.chat,
+                         num_beams=args.num_beams, length_penalty=args.length_penalty,
+                         drafter_options=tree_options(args.method, args.tree_width, args.heads))
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
         return 0
@@ -199,6 +223,14 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_agreement(args)
         if args.command == "info":
             return cmd_info(args)
+        if args.command == "train-head":
+            from .train_head import cmd_train_head
+
+            return cmd_train_head(args)
+        if args.command == "cache":
+            from .models.cache import cmd_cache
+
+            return cmd_cache(args)
         if args.command in serve_cli.COMMANDS:
             return serve_cli.main(args)
     except DraftwiseError as e:

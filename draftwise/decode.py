@@ -6,6 +6,11 @@ target's own token). Every method — draft model, prompt lookup, NASD, later on
 Cache invariant: the target cache row of a sequence holds keys/values of all its tokens but the last.
 A step feeds [last token, d_1..d_k] (k+1 new entries); after n drafts are accepted the valid length is
 (tokens before the step) + n, so rolling back is setting the length.
+
+Token trees go through the same step: the drafter returns a tree (``Draft.parents``), the row feeds
+[last token, nodes...] with a tree attention mask (each node sees the cached prefix and its ancestors, at
+position prefix + depth), and after verification the accepted path's entries are moved to contiguous
+slots (``KVCache.keep_path``) — a chain needs no move. A batch mixes chains and trees freely.
 """
 
 from __future__ import annotations
@@ -21,7 +26,31 @@ from .errors import InvalidParameterError, PromptTooLongError
 from .models.base import CausalLM
 from .sampling import logits_to_probs, sample, sample_at
 from .sequence import ACCEPTED, BONUS, PLAIN, RECOVERED, Sequence
-from .verify import VerifyResult, verify_greedy, verify_keyed, verify_sampled
+from .verify import (VerifyResult, verify_greedy, verify_keyed, verify_sampled, verify_tree_greedy,
+                     verify_tree_keyed, verify_tree_sampled)
+
+MAX_TREE_TOKENS = 32  # a tree step feeds at most this many tokens per row (transformer.EXACT_MAX_T)
+
+
+def tree_inputs(tokens: list[list[int]], parents: list[list[int]], starts: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs of one target pass over a token tree per row. tokens[b]: [root, nodes...]; parents[b]: the
+    parent of each (-1 for the root, then indices into the same list); starts[b]: the row's cache length.
+    Returns x (B, T) right-padded, positions (B, T) = start + depth, mask (B, T, T): ancestors + self."""
+    B, T = len(tokens), max(len(t) for t in tokens)
+    x = torch.zeros(B, T, dtype=torch.long)
+    positions = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)  # padding sees itself only
+    for b in range(B):
+        x[b, :len(tokens[b])] = torch.tensor(tokens[b])
+        depth = []
+        for i, q in enumerate(parents[b]):
+            if q >= 0:
+                mask[b, i] |= mask[b, q]
+            depth.append(0 if q < 0 else depth[q] + 1)
+        positions[b, :len(depth)] = starts[b] + torch.tensor(depth)
+        positions[b, len(depth):] = starts[b]
+    return x, positions, mask
 
 
 class GammaPolicy(Protocol):
@@ -100,7 +129,8 @@ class Decoder:
         seq.row = len(self.running)
         row = self.cache.view(slice(seq.row, seq.row + 1))
         row.reset()
-        logits = self.target.forward(torch.tensor([seq.prompt_ids]), row, logits_for="last").logits[0, -1]
+        out = self.target.forward(torch.tensor([seq.prompt_ids]), row, logits_for="last")
+        logits = out.logits[0, -1]  # (V,)
         p = seq.params
         if p.greedy:
             first = int(logits.argmax())
@@ -111,7 +141,7 @@ class Decoder:
         seq.stats.target_passes += 1
         self._append(seq, [first], [PLAIN])
         if not seq.finished and self.drafter is not None:
-            self.drafter.start(seq)
+            self.drafter.start(seq, hidden=out.hidden[0, -1:])
         seq.stats.prefill_s += time.perf_counter() - t0
         self.running.append(seq)
         if seq.finished:
@@ -130,16 +160,28 @@ class Decoder:
         ks = [max(0, min(K, s.remaining - 1)) for s in seqs]
         drafts = self.drafter.propose(seqs, ks) if self.drafter is not None and max(ks) > 0 \
             else [Draft([]) for _ in seqs]
+        trees = getattr(self.target, "supports_trees", False)
+        # a tree feeds at most MAX_TREE_TOKENS tokens, and no more than the row has room for
+        drafts = [d.truncated(min(MAX_TREE_TOKENS - 1, self.capacity - len(s.tokens)), k) if trees
+                  else d.first_branch().truncated(k, k) for s, d, k in zip(seqs, drafts, ks)]
         t1 = time.perf_counter()
         # verify: one target pass over [last token, drafts...] per row (right-padded)
         T = 1 + max(len(d.tokens) for d in drafts)
-        x = torch.zeros(B, T, dtype=torch.long)
         n_before = [len(s.tokens) for s in seqs]
-        for i, (s, d) in enumerate(zip(seqs, drafts)):
-            x[i, 0] = s.tokens[-1]
-            x[i, 1:1 + len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
         view = self.cache.view(slice(0, B))
-        logits = self.target.forward(x, view, logits_for="all").logits  # (B, T, V)
+        if any(d.is_tree for d in drafts):
+            x, positions, mask = tree_inputs(
+                [[s.tokens[-1]] + d.tokens for s, d in zip(seqs, drafts)],
+                [[-1] + [q + 1 for q in (d.parents or range(-1, len(d.tokens) - 1))] for d in drafts],
+                [n - 1 for n in n_before])
+            out = self.target.forward(x, view, positions=positions, attn_mask=mask, logits_for="all")
+        else:
+            x = torch.zeros(B, T, dtype=torch.long)
+            for i, (s, d) in enumerate(zip(seqs, drafts)):
+                x[i, 0] = s.tokens[-1]
+                x[i, 1:1 + len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
+            out = self.target.forward(x, view, logits_for="all")
+        logits = out.logits  # (B, T, V)
         # per sequence from here on: an exception fails that sequence alone (seq.error), not the batch
         results: list[VerifyResult | None] = []
         for i, (s, d) in enumerate(zip(seqs, drafts)):
@@ -148,7 +190,9 @@ class Decoder:
             except Exception as e:
                 self._fail(s, e)
                 results.append(None)
-        view.set_lengths([n + (r.num_accepted if r else 0) for n, r in zip(n_before, results)])  # roll back
+        # roll back: a length pointer, plus moving a tree's accepted path to contiguous slots
+        for i, (n, r) in enumerate(zip(n_before, results)):
+            view.keep_path(i, n - 1, [0] + [j + 1 for j in r.nodes] if r else [0])
         t2 = time.perf_counter()
         for i, (s, d, r) in enumerate(zip(seqs, drafts, results)):
             if r is None:
@@ -160,7 +204,9 @@ class Decoder:
                 s.stats.gammas.append(ks[i])
                 self._append(s, r.tokens, kinds)
                 if self.drafter is not None and not s.finished:
-                    self.drafter.accept(s, n_before[i], r.num_accepted, logits[i, :r.num_accepted + 1])
+                    rows = [0] + [j + 1 for j in r.nodes]
+                    self.drafter.accept(s, n_before[i], r.num_accepted, logits[i, rows], path=r.nodes,
+                                        hidden=out.hidden[i, rows])
             except Exception as e:
                 self._fail(s, e)
         t3 = time.perf_counter()
@@ -175,8 +221,17 @@ class Decoder:
 
     def _verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> VerifyResult:
         # logits: (k+1, V) target scores at [last token, d_1..d_k]
-        tokens = torch.tensor(draft.tokens, dtype=torch.long)
         p = seq.params
+        if draft.is_tree:
+            if p.greedy:
+                return verify_tree_greedy(logits, draft.tokens, draft.parents)
+            probs = torch.stack([logits_to_probs(row, p) for row in logits])
+            if p.seed is not None:
+                V = probs.shape[-1]
+                return verify_tree_keyed(probs, draft.tokens, draft.parents, p.seed, seq.num_output,
+                                         lambda pos: seq.uniforms(pos, V))
+            return verify_tree_sampled(probs, draft.tokens, draft.parents, draft.probs, seq.generator)
+        tokens = torch.tensor(draft.tokens, dtype=torch.long)
         if p.greedy:
             return verify_greedy(logits, tokens)
         if p.seed is not None:  # position-keyed: row by row, exactly as plain decoding computes each row

@@ -172,15 +172,18 @@ class AdaptiveGamma:
 
 
 @torch.inference_mode()
-def measure_forward_costs(model, max_tokens: int, *, context: int = 32, logits_for: str = "all") -> list[float]:
-    """Seconds of one batch-1 forward over T = 1..max_tokens new tokens after ``context`` cached ones
-    (the fastest of two timings each, after a warm-up). Works on any ``CausalLM``."""
+def measure_forward_costs(model, max_tokens: int, *, context: int = 32, logits_for: str = "all",
+                          sizes: list[int] | None = None) -> list[float]:
+    """Seconds of one batch-1 forward over T = 1..max_tokens new tokens (or each T of ``sizes``) after
+    ``context`` cached ones (the fastest of two timings each, after a warm-up). Works on any ``CausalLM``."""
     vocab = model.config.vocab_size
+    sizes = list(sizes) if sizes is not None else list(range(1, max_tokens + 1))
+    max_tokens = max(sizes)
     ids = (torch.arange(context + max_tokens, dtype=torch.long) * 7919 % vocab).view(1, -1)  # (1, C + T)
     cache = model.new_cache(1, context + max_tokens + 1)
     model.forward(ids[:, :context], cache, logits_for="last")
     costs = []
-    for T in [max_tokens] + list(range(1, max_tokens + 1)):  # the first one warms up
+    for T in [max_tokens] + sizes:  # the first one warms up
         best = float("inf")
         for _ in range(2):
             cache.set_lengths(context)

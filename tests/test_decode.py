@@ -243,3 +243,85 @@ def test_measure_forward_costs(tiny_target):
 
     costs = measure_forward_costs(tiny_target, 5)
     assert len(costs) == 5 and all(c > 0 for c in costs)
+
+
+# ---- token trees through the one loop ---------------------------------------------------------------
+def tree_drafters(tiny_draft, rows=1, branches=3):
+    return [DraftModelDrafter(tiny_draft, rows, CAP, branches=branches), PromptLookupDrafter(branches=branches),
+            NASDDrafter(branches=branches)]
+
+
+@pytest.mark.parametrize("gamma,branches", [(1, 2), (3, 3), (6, 4)])
+def test_every_tree_drafter_greedy_equals_plain(tiny_target, tiny_draft, gamma, branches):
+    params = SamplingParams(max_tokens=48)
+    ref = [s.output_ids for s in run(tiny_target, None, PROMPTS, params)]
+    for d in tree_drafters(tiny_draft, branches=branches):
+        seqs = run(tiny_target, d, PROMPTS, params, gamma=gamma)
+        assert [s.output_ids for s in seqs] == ref, d.name
+    # batched, ragged: trees and chains of different sizes in one pass
+    for d in tree_drafters(tiny_draft, rows=4, branches=branches):
+        seqs = run(tiny_target, d, PROMPTS, params, gamma=gamma, rows=4)
+        assert [s.output_ids for s in seqs] == ref, d.name
+
+
+class TreeOracle(StatelessDrafter):
+    """A tree whose first branch is wrong at a chosen depth and whose second branch is the target's own
+    continuation: only tree verification accepts past the error."""
+
+    name = "tree-oracle"
+
+    def __init__(self, reference: list[int], vocab: int):
+        self.ref, self.vocab = reference, vocab
+
+    def propose(self, seqs, ks):
+        out = []
+        for s, k in zip(seqs, ks):
+            n = len(s.tokens)
+            good = self.ref[n:n + k]
+            if not good:
+                out.append(Draft([]))
+                continue
+            bad = [(good[0] + 1) % self.vocab] + good[1:]
+            parents = list(range(-1, len(bad) - 1)) + [-1] + [len(bad) + j for j in range(len(good) - 1)]
+            out.append(Draft(bad + good, parents=parents))
+        return out
+
+
+def test_second_branch_accepted_and_cache_compacted(tiny_target):
+    """Acceptance along a non-first branch: the KV entries of the accepted path move to contiguous slots,
+    so the following steps (and the output) equal plain decoding."""
+    params = SamplingParams(max_tokens=40)
+    ref = run(tiny_target, None, [PROMPTS[0]], params)[0]
+    s = run(tiny_target, TreeOracle(ref.tokens, 96), [PROMPTS[0]], params, gamma=4)[0]
+    assert s.output_ids == ref.output_ids
+    assert s.stats.mean_accepted_length > 4.0  # every step accepts the whole second branch + bonus
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("method", ["draft", "nasd", "pld"])
+def test_sampled_tree_output_distribution_matches_target(method):
+    """Sampling with token trees end to end (multi-branch rejection sampling, tree attention, path
+    compaction): the joint of the first two output tokens is the target's."""
+    from draftwise.models.transformer import random_model
+    from tests.conftest import TINY, perturbed
+
+    cfg = TINY.__class__(**{**TINY.to_dict(), "vocab_size": 6})
+    target = random_model(cfg, seed=11)
+    draft = perturbed(target, 0.8, seed=12)
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2]
+    params = SamplingParams(temperature=1.0, max_tokens=2, seed=None)
+    exact = _first_two_tokens_exact(target, prompt, params)
+    drafter = {"draft": lambda: DraftModelDrafter(draft, 1, 64, branches=3),
+               "nasd": lambda: NASDDrafter(branches=3), "pld": lambda: PromptLookupDrafter(branches=3)}[method]()
+    dec = Decoder(target, drafter, FixedGamma(3), rows=1, capacity=64)
+    g = torch.Generator().manual_seed(77)
+    seqs = (Sequence(prompt, params, generator=torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=g))))
+            for _ in range(3000))
+    assert first_two_tokens_pvalue(dec, seqs, exact) > 1e-3
+
+
+def test_tree_bad_branches(tiny_draft):
+    for make in (lambda: PromptLookupDrafter(branches=0), lambda: NASDDrafter(branches=-1),
+                 lambda: DraftModelDrafter(tiny_draft, 1, CAP, branches=0)):
+        with pytest.raises(InvalidParameterError):
+            make()

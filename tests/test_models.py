@@ -397,3 +397,73 @@ def test_lean_tokenizer_equals_transformers_on_real_models(smollm):
         except Exception as e:  # not downloadable here
             pytest.skip(f"{name}: {e}")
         _lean_equals_transformers(lm.tokenizer.folder)
+
+
+def _tree_case():
+    # root r (the last token) + 7 nodes:   r -> 0 -> 2 -> 5
+    #                                       r -> 0 -> 3
+    #                                       r -> 1 -> 4 -> 6
+    parents = [-1, -1, 0, 0, 1, 2, 4]
+    tokens = [11, 12, 13, 14, 15, 16, 17]
+    return parents, tokens
+
+
+def _paths(parents):
+    out = []
+    for i in range(len(parents)):
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = parents[j]
+        out.append(path[::-1])
+    return out
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_tree_nodes_equal_decoding_their_paths_bit_exact(kernels, monkeypatch):
+    """Every node of a verified token tree gets the bits decoding its path token by token gives — through
+    the fused kernel attention (keys visited in path order) and through the torch fallback — for each row
+    of a batch with ragged prefixes; keep_path then leaves the cache as decoding the accepted path would."""
+    from draftwise.decode import tree_inputs
+    from draftwise.models import transformer
+
+    if kernels:
+        m = _through_kernel(random_model(TINY_QWEN, seed=7, dtype=torch.float32))
+    else:  # torch ops; bf16, whose CPU matmuls are row-invariant (fp32 nn.Linear is not: see above)
+        m = random_model(TINY_QWEN, seed=7, dtype=torch.bfloat16)
+        monkeypatch.setattr(transformer, "extension", lambda: None)
+    parents, tokens = _tree_case()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 9)]
+    lasts = [3, 4]
+    cache = m.new_cache(2, 64)
+    for b, p in enumerate(prompts):
+        m.forward(torch.tensor([p]), cache.view(slice(b, b + 1)))
+    x, positions, mask = tree_inputs([[lasts[0]] + tokens, [lasts[1]] + tokens[:5]],
+                                     [[-1] + [q + 1 for q in parents], [-1] + [q + 1 for q in parents[:5]]],
+                                     cache.lengths[:2].tolist())
+    tree = m.forward(x, cache, positions=positions, attn_mask=mask).logits  # (2, 8, V)
+    for b, p in enumerate(prompts):
+        n_nodes = 7 if b == 0 else 5
+        for i, path in enumerate(_paths(parents[:n_nodes])):
+            c = m.new_cache(1, 64)
+            m.forward(torch.tensor([p]), c)
+            seq = [lasts[b]] + [tokens[j] for j in path]
+            out = torch.cat([m.forward(torch.tensor([[t]]), c).logits for t in seq], dim=1)[0]  # (len, V)
+            assert torch.equal(tree[b, i + 1], out[-1]), (b, i)
+            if b == 0 and i == 0:
+                assert torch.equal(tree[b, 0], out[0])
+    # accept path r -> 1 -> 4 -> 6 in row 0: the cache then equals decoding that path
+    start = len(prompts[0])
+    cache.keep_path(0, start, [0, 2, 5, 7])
+    ref = m.new_cache(1, 64)
+    m.forward(torch.tensor([prompts[0] + [lasts[0], 12, 15, 17]]), ref)
+    n = start + 4
+    assert cache.length(0) == n
+    torch.testing.assert_close(cache.k[:, 0, :, :n], ref.k[:, 0, :, :n], atol=1e-2, rtol=1e-2)
+    nxt_a = m.forward(torch.tensor([[9]]), cache.view(slice(0, 1))).logits
+    c = m.new_cache(1, 64)
+    m.forward(torch.tensor([prompts[0]]), c)
+    for t in [lasts[0], 12, 15, 17, 9]:
+        nxt_b = m.forward(torch.tensor([[t]]), c).logits
+    assert torch.equal(nxt_a, nxt_b)

@@ -21,7 +21,7 @@ def test_every_method_equals_plain_on_qwen(pair, prompt):
     params = SamplingParams(max_tokens=128)
     ar = pair.generate(prompt, params, method="ar")
     assert "def quicksort" in prompt + ar.text and "return" in ar.text
-    for method in ["draft", "pld", "nasd"]:
+    for method in ["draft", "pld", "nasd", "draft-tree", "pld-tree", "nasd-tree"]:
         r = pair.generate(prompt, params, method=method)
         assert r.token_ids == ar.token_ids, method
     # Draft quality at a fixed draft length: the adaptive policy picks gamma from measured

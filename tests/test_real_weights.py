@@ -40,7 +40,7 @@ def test_native_matches_transformers_on_gguf():
         assert ours.token_ids == theirs[:len(ours.token_ids)], prompt
 
 
-@pytest.mark.parametrize("method", ["draft", "pld", "nasd"])
+@pytest.mark.parametrize("method", ["draft", "pld", "nasd", "draft-tree", "pld-tree", "nasd-tree"])
 def test_every_method_greedy_equals_plain(smol_pair, method):
     for prompt in PROMPTS:
         params = SamplingParams(max_tokens=48)
@@ -55,7 +55,7 @@ def test_draft_model_partial_acceptance_is_real(smol_pair):
     assert 0.5 < res.stats.acceptance_rate <= 1.0 and res.stats.mean_accepted_length > 2.0
 
 
-@pytest.mark.parametrize("method", ["draft", "pld", "nasd"])
+@pytest.mark.parametrize("method", ["draft", "pld", "nasd", "draft-tree", "nasd-tree"])
 def test_seeded_sampling_equals_seeded_plain_for_every_gamma(smol_pair, method):
     """A seed means one text: every method, fixed γ 1/3/6 or auto, equals `ar` with that seed."""
     for prompt in PROMPTS[:2]:

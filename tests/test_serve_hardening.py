@@ -15,12 +15,10 @@ import http.client
 import json
 import shutil
 import subprocess
-import sys
 
 import httpx
 from hypothesis import HealthCheck, given, settings, strategies as st
 import pytest
-import torch
 
 from draftwise.api import SpeculativeDecoder
 from draftwise.models import LoadedModel, load_model

@@ -77,26 +77,28 @@ def measure(methods: list[str], cfg, ids: list[int], llama_ctx: int | None, eos_
         else:
             spec = {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "draft_dtype": cfg.draft_dtype,
                     "backend": cfg.backend, "method": m, "gamma": cfg.gamma, "ids": ids,
-                    "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed}
+                    "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+                    "num_beams": cfg.num_beams, "length_penalty": cfg.length_penalty}
             out[m] = run_child([sys.executable, "-m", "draftwise.bench.footprint", "own", json.dumps(spec)])
     return out
 
 
 def _own_child(spec: dict) -> dict:
     t0 = time.perf_counter()
-    from ..api import SpeculativeDecoder
+    from ..api import SpeculativeDecoder, uses_draft_model
     from ..sampling import SamplingParams
 
     t_import = time.perf_counter() - t0
     t1 = time.perf_counter()
     dw = SpeculativeDecoder(spec["target"], spec["draft"], dtype=spec["dtype"], draft_dtype=spec["draft_dtype"],
                             backend=spec["backend"], progress=False)
-    if spec["method"] == "draft":
+    if uses_draft_model(spec["method"]):
         dw.draft  # noqa: B018  (the draft model loads lazily: count it in the load)
     load = time.perf_counter() - t1
     params = SamplingParams(temperature=spec["temperature"], max_tokens=spec["max_tokens"], seed=spec["seed"])
     t2 = time.perf_counter()
-    r = dw.generate(spec["ids"], params, method=spec["method"], gamma=spec["gamma"])
+    r = dw.generate(spec["ids"], params, method=spec["method"], gamma=spec["gamma"],
+                    num_beams=spec.get("num_beams", 4), length_penalty=spec.get("length_penalty", 1.0))
     gen = time.perf_counter() - t2
     return {"import_s": t_import, "load_s": load, "generate_s": gen, "new_tokens": len(r.token_ids),
             "peak_rss_mb": peak_rss_mb()}

@@ -21,25 +21,31 @@ from pathlib import Path
 
 import torch
 
-from ..api import DEFAULT_DRAFT, DEFAULT_TARGET, METHODS
+from ..api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, HEAD_METHODS, METHODS, TREE_WIDTH, tree_options
 from ..errors import InvalidParameterError
 from . import report
 from .llama_peers import LLAMA_PEERS, LlamaPeers, context_size, require_llama_cpp
 from .peers import PEERS
 from .prompts import Prompt, load_prompts
+from ..serve.cli import positive_int
 from .roofline import measure_bandwidth, roofline
 
 
+TRAINING_FREE = tuple(m for m in METHODS if m not in HEAD_METHODS)  # "all": methods that need no trained heads
+DEFAULT_METHODS = ("ar", "draft", "pld", "nasd")
+
+
 def all_methods() -> tuple[str, ...]:
-    return (*METHODS, *PEERS, *LLAMA_PEERS)
+    return (*METHODS, BEAM, *PEERS, *LLAMA_PEERS)
 
 
 def parse_methods(spec: str) -> list[str]:
-    """"ar,draft,hf-ar" → ["ar", "draft", "hf-ar"]; "all" → every engine method and HF peer (the llama.cpp
-    peers, an optional install, only by name: "all,llama-ar,llama-pld"). ``ar`` (the reference of every
-    speedup and output check) is added first when missing."""
+    """"ar,draft,hf-ar" → ["ar", "draft", "hf-ar"]; "all" → every engine method that needs no trained heads,
+    and every HF peer (head methods and the llama.cpp peers, an optional install, only by name:
+    "all,medusa,llama-ar"). ``ar`` (the reference of every speedup and output check) is added first when
+    missing."""
     names = [n for m in spec.split(",") if m.strip()
-             for n in ((*METHODS, *PEERS) if m.strip() == "all" else (m.strip(),))]
+             for n in ((*TRAINING_FREE, *PEERS) if m.strip() == "all" else (m.strip(),))]
     unknown = [m for m in names if m not in all_methods()]
     if unknown or not names:
         what = f"unknown method {unknown[0]!r}" if unknown else "no methods given"
@@ -68,7 +74,7 @@ class BenchConfig:
     draft_dtype: str | None = None  # None: as dtype
     backend: str = "native"
     gamma: int | str = "auto"
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     prompts: str | None = None  # None: Spec-Bench next to the repository
     categories: list[str] | None = None
     limit: int | None = None  # per category
@@ -79,6 +85,10 @@ class BenchConfig:
     warmup_tokens: int = 8
     bandwidth_gib: float = 0.5  # 0: skip the roofline measurement
     footprint: bool = True  # peak RSS and load time per method, each in a fresh process
+    num_beams: int = 4  # method "beam"
+    tree_width: int = TREE_WIDTH  # the *-tree methods' branches
+    heads: str | None = None  # draft heads folder (method medusa)
+    length_penalty: float = 1.0
     out: str = "bench-out"
 
 
@@ -155,7 +165,9 @@ class Runner:
             params = self.params if max_tokens is None else replace(self.params, max_tokens=n)
             t0 = time.perf_counter()
             try:
-                res = self.dw.generate(ids, params, method=method, gamma=self.cfg.gamma)
+                res = self.dw.generate(ids, params, method=method, gamma=self.cfg.gamma,
+                                       num_beams=self.cfg.num_beams, length_penalty=self.cfg.length_penalty,
+                                       drafter_options=tree_options(method, self.cfg.tree_width, self.cfg.heads))
             except (AttributeError, TypeError) as e:
                 if isinstance(self.cfg.gamma, str):  # a policy name this engine does not know yet
                     raise InvalidParameterError(f"gamma {self.cfg.gamma!r} is not supported by this engine "
@@ -190,6 +202,14 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
         raise InvalidParameterError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
     cfg.gamma = parse_gamma(cfg.gamma)
     methods = cfg.methods = parse_methods(",".join(cfg.methods))
+    if any(m in HEAD_METHODS for m in methods) and not cfg.heads:  # fail before loading anything
+        raise InvalidParameterError("method medusa needs draft heads: --heads DIR (`draftwise train-head`)")
+    if BEAM in methods:  # greedy only: fail before loading anything
+        from ..beam import check_beam_params
+        from ..sampling import SamplingParams
+
+        check_beam_params(SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens), cfg.num_beams,
+                          cfg.length_penalty)
     if llama := [m for m in methods if m in LLAMA_PEERS]:
         require_llama_cpp(llama)  # fail before loading anything
     path, prompts = load_prompts(cfg.prompts, cfg.categories, cfg.limit)  # fail before loading models
@@ -278,8 +298,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
 # ---- command line --------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Bench options (the model options --target/--draft/--dtype/--backend/--threads come from cli.py)."""
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated, from {', '.join(all_methods())}, or all (default {','.join(METHODS)}); "
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated, from {', '.join(all_methods())}, or all (default "
+                        f"{','.join(DEFAULT_METHODS)}); "
                         "ar is always run as the reference; all = the engine's methods and the HF peers, the "
                         "llama.cpp peers (pip install -e '.[peers]') only by name")
     p.add_argument("--gamma", default="auto", help="draft tokens per step: an integer, or auto (default)")
@@ -296,6 +317,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GiB streamed to measure memory bandwidth for the roofline (0 = skip)")
     p.add_argument("--no-footprint", dest="footprint", action="store_false",
                    help="skip the per-method peak RSS / load time measurement (a fresh process per method)")
+    p.add_argument("--num-beams", type=int, default=4, help="beams of method beam (default 4)")
+    p.add_argument("--tree-width", type=positive_int, default=TREE_WIDTH,
+                   help=f"branches of the *-tree methods' token trees (default {TREE_WIDTH})")
+    p.add_argument("--length-penalty", type=float, default=1.0, help="length penalty of method beam (default 1.0)")
     p.add_argument("--out", default="bench-out", help="output folder (default bench-out)")
 
 
@@ -307,7 +332,9 @@ def config_from_args(args) -> BenchConfig:
                        if args.categories else None,
                        limit=args.limit, max_tokens=args.max_tokens, chat=args.chat, temperature=args.temperature,
                        seed=args.seed, warmup_tokens=args.warmup_tokens, bandwidth_gib=args.bandwidth_gib,
-                       footprint=args.footprint, out=args.out)
+                       footprint=args.footprint, num_beams=args.num_beams, length_penalty=args.length_penalty,
+                       tree_width=args.tree_width, heads=args.heads,
+                       out=args.out)
 
 
 def cmd_bench(args) -> int:
@@ -342,7 +369,8 @@ def summary(results: dict, console) -> None:
     for m, s in ms.items():
         t.add_row(m, report._f(s["tokens_per_s"]), report._f(s["speedup_vs_ar"]),
                   *[report._f(s[f"speedup_vs_{report.key(r)}"]) for r in refs],
-                  report._f(s["acceptance_rate"]), report._f(s["mean_accepted_length"]), str(s["mismatches"]),
+                  report._f(s["acceptance_rate"]), report._f(s["mean_accepted_length"]),
+                  report._f(s["mismatches"], "d"),
                   *([report.own_match(s)] if own else []))
     console.print(t)
     fp = results.get("footprint")

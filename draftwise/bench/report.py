@@ -18,6 +18,7 @@ import statistics
 from pathlib import Path
 
 REFERENCE, HF_REFERENCE, LLAMA_REFERENCE = "ar", "hf-ar", "llama-ar"
+NOT_COMPARED = ("beam",)  # another search than ar's (beam search): measured beside it, output not compared
 PEER_REFERENCES = {"hf-": HF_REFERENCE, "llama-": LLAMA_REFERENCE}  # a peer family's prefix → its plain decoding
 TIME_PARTS = ("prefill_s", "draft_s", "verify_s")
 
@@ -60,6 +61,8 @@ def find_mismatches(per_prompt: list[dict], methods: list[str]) -> list[dict]:
     for p in per_prompt:
         runs = p["runs"]
         for m in methods:
+            if m in NOT_COMPARED:
+                continue
             own = own_reference(m)
             for ref in [REFERENCE] + ([own] if own else []):
                 if m == ref or m not in runs or ref not in runs:
@@ -104,7 +107,7 @@ def summarize(per_prompt: list[dict], method: str, mismatches: list[dict], check
         out[f"median_speedup_vs_{k}"] = statistics.median(per) if per and len(per) == len(rows) else None
     ids = {p["question_id"] for p in per_prompt}
     mine = [m for m in mismatches if m["method"] == method and m["question_id"] in ids]
-    out["mismatches"] = sum(m["reference"] == REFERENCE for m in mine)
+    out["mismatches"] = sum(m["reference"] == REFERENCE for m in mine) if method not in NOT_COMPARED else None
     out["mismatch_ids"] = [m["question_id"] for m in mine if m["reference"] == REFERENCE]
     own = own_reference(method)
     if own:  # e.g. mismatches_vs_llama_ar, and "matches own ar" = prompts with both runs − those
@@ -174,9 +177,11 @@ def markdown(results: dict) -> str:
                     + [_f(s[f"{p}speedup_vs_{key(r)}"]) for r in refs for p in ("", "median_")]
                     + [_f(s["acceptance_rate"]), _f(s["mean_accepted_length"])]
                     + [_f(ts.get(k) and 100 * ts[k], ".0f") + "%" for k in ("prefill", "draft", "verify", "other")]
-                    + [str(s["mismatches"])] + ([own_match(s)] if spec_peers else []))
+                    + [_f(s["mismatches"], "d")] + ([own_match(s)] if spec_peers else []))
     parts.append("## Overall\n\n" + _table(head, rows) + "\n\nTime split: shares of wall time; `draft` is "
                  "everything outside the target's forward passes (drafting and bookkeeping)."
+                 + (" `beam` is beam search, another search than `ar`'s: its output is not compared (–)."
+                    if any(m in NOT_COMPARED for m in names) else "")
                  + (" Matches own ar: prompts where a speculative peer's greedy output equals its own library's "
                     "plain decoding (`hf-ar`, `llama-ar`)." if spec_peers else ""))
     for title, k, fmt in (("Speedup vs `ar` by category", "speedup_vs_ar", ".2f"),

@@ -1,11 +1,15 @@
-"""The drafter protocol. The decode loop drives every drafting method through these four methods and
+"""The drafter protocol. The decode loop drives every drafting method through these five methods and
 knows nothing else about them.
 
-- ``start(seq)``: a sequence was prefilled; set up its per-sequence state (``seq.drafter_state``).
-- ``propose(seqs, ks)``: up to ``ks[i]`` draft tokens for each sequence (fewer is fine, 0 is fine).
-- ``accept(seq, n_before, num_accepted, target_logits)``: the sequence grew from ``n_before`` tokens by
-  ``num_accepted`` accepted drafts plus one target token; ``target_logits`` (num_accepted+1, V) are the
-  target's scores at the verified positions. Roll back / update the state here.
+- ``start(seq, *, hidden)``: a sequence was prefilled; set up its per-sequence state (``seq.drafter_state``).
+  ``hidden`` (1, D) is the target's final hidden state at the last prompt token (draft heads read it).
+- ``propose(seqs, ks)``: a draft for each sequence, at most ``ks[i]`` tokens deep (fewer is fine, 0 is
+  fine): a chain of tokens, or a token tree (``Draft.parents``) verified in the same single target pass.
+- ``accept(seq, n_before, num_accepted, target_logits, *, path, hidden)``: the sequence grew from
+  ``n_before`` tokens by ``num_accepted`` accepted drafts plus one target token; ``target_logits``
+  (num_accepted+1, V) and ``hidden`` (num_accepted+1, D) are the target's scores and final hidden states
+  at the verified positions, ``path`` the accepted nodes' indices in the draft (a chain: 0..n-1). Roll
+  back / update the state here.
 - ``release(seq)``: the sequence left the batch.
 - ``move_row(src, dst)``: the engine compacted its batch; per-row resources follow (cache rows).
 
@@ -25,18 +29,73 @@ from ..sequence import Sequence
 
 @dataclass
 class Draft:
+    """A chain of draft tokens, or a token tree.
+
+    Tree: ``parents[i]`` is node i's parent, an earlier node or -1 for the sequence's last token (the
+    root), so nodes are in topological order; siblings are tried in index order. A chain is the tree
+    with ``parents = [-1, 0, 1, ...]`` (``parents=None`` says the same).
+
+    ``probs[i]`` is the distribution q node i was drawn from (siblings: drawn without replacement from
+    the same q), or ``probs=None`` for a deterministic drafter (q one-hot on each node's token).
+    """
+
     tokens: list[int]  # proposed tokens, in order
     probs: torch.Tensor | None = None  # (len(tokens), V) draft distribution q; None = deterministic
+    parents: list[int] | None = None  # None = a chain
+
+    def __post_init__(self):
+        if self.parents is not None:
+            if len(self.parents) != len(self.tokens) or any(not -1 <= q < i for i, q in enumerate(self.parents)):
+                raise ValueError("Draft.parents: one parent per token, each -1 or an earlier node")
+            if self.parents == list(range(-1, len(self.tokens) - 1)):
+                self.parents = None  # a chain
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def depths(self) -> list[int]:
+        """Depth of each node (1 = a child of the root)."""
+        if self.parents is None:
+            return list(range(1, len(self.tokens) + 1))
+        d: list[int] = []
+        for q in self.parents:
+            d.append(1 if q < 0 else d[q] + 1)
+        return d
+
+    def truncated(self, max_nodes: int, max_depth: int) -> "Draft":
+        """The nodes among the first ``max_nodes`` at most ``max_depth`` deep (still a tree: a node's
+        ancestors are shallower and earlier)."""
+        keep = [i for i, d in enumerate(self.depths()[:max_nodes]) if d <= max_depth]
+        if len(keep) == len(self.tokens):
+            return self
+        new = {old: j for j, old in enumerate(keep)}
+        parents = None if self.parents is None else [new.get(self.parents[i], -1) for i in keep]
+        return Draft([self.tokens[i] for i in keep], None if self.probs is None else self.probs[keep], parents)
+
+    def first_branch(self) -> "Draft":
+        """The chain of first children from the root (for a target that cannot verify trees)."""
+        if self.parents is None:
+            return self
+        chain, node = [], -1
+        while True:
+            kids = [i for i, q in enumerate(self.parents) if q == node]
+            if not kids:
+                break
+            node = kids[0]
+            chain.append(node)
+        return Draft([self.tokens[i] for i in chain], None if self.probs is None else self.probs[chain])
 
 
 class Drafter(Protocol):
     name: str
 
-    def start(self, seq: Sequence) -> None: ...
+    def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None: ...
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]: ...
 
-    def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor) -> None: ...
+    def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,
+               path: list[int] | None = None, hidden: torch.Tensor | None = None) -> None: ...
 
     def release(self, seq: Sequence) -> None: ...
 
@@ -48,10 +107,11 @@ class StatelessDrafter:
 
     name = "base"
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
         pass
 
-    def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor) -> None:
+    def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,
+               path: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
         pass
 
     def release(self, seq: Sequence) -> None:

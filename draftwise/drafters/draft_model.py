@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import IncompatibleModelsError
+from ..errors import IncompatibleModelsError, InvalidParameterError
 from ..models.base import CausalLM
 from ..sampling import logits_to_probs, sample, sample_at
 from ..sequence import Sequence
@@ -18,17 +18,25 @@ class DraftModelDrafter:
     noise applied to q) as a one-hot draft; the verifier keeps it while it equals the target's own keyed
     draw, so the output is plain decoding's seeded text (see sampling.py).
 
+    ``branches`` > 1 drafts a token tree: the chain, plus at every depth the next ``branches - 1`` choices
+    of the draft as leaves beside the chain's token (greedy: the next best tokens; sampling: further draws
+    without replacement from the same q; seeded: the next best by q). They cost no draft forward, and
+    where the chain's token is rejected the target may still accept one of them.
+
     Its cache row mirrors the sequence's engine row. ``seq.drafter_state`` is the number of the
     sequence's leading tokens whose keys/values are valid in the draft cache.
     """
 
     name = "draft"
 
-    def __init__(self, model: CausalLM, rows: int, capacity: int):
+    def __init__(self, model: CausalLM, rows: int, capacity: int, branches: int = 1):
+        if not isinstance(branches, int) or branches < 1:
+            raise InvalidParameterError(f"branches must be an integer >= 1, got {branches!r}")
         self.model = model
         self.cache = model.new_cache(rows, capacity)
+        self.branches = branches
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
         cache = self.cache.view(slice(seq.row, seq.row + 1))
         cache.reset()
         prefix = seq.tokens[:-1]
@@ -53,38 +61,75 @@ class DraftModelDrafter:
         last = torch.tensor([len(p) - 1 for p in pending])  # (B,) each row's last real token
         step_logits = self.model.forward(x, cache, logits_for=last).logits[:, 0]  # (B, V)
         cache.set_lengths([len(s.tokens) for s in seqs])
-        # 2) draft K tokens autoregressively
+        # 2) draft K tokens autoregressively (and, for a tree, the alternatives beside each)
+        W = self.branches
         tokens = torch.zeros(B, K, dtype=torch.long)
+        alts: list[list[list[int]]] = [[] for _ in seqs]  # [row][depth] -> alternative tokens
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for j in range(K):
             for i, s in enumerate(seqs):
                 if s.params.greedy:
-                    tokens[i, j] = step_logits[i].argmax()
+                    top = step_logits[i].topk(W).indices.tolist()
+                    tokens[i, j], alt = top[0], top[1:]
                 elif s.params.seed is not None:  # coupled draw: the target's keyed noise at that position
                     q = logits_to_probs(step_logits[i], s.params)
                     pos = s.num_output + j
-                    tokens[i, j] = sample_at(q, s.params.seed, pos, s.uniforms(pos, q.shape[-1]))
+                    tokens[i, j] = x = sample_at(q, s.params.seed, pos, s.uniforms(pos, q.shape[-1]))
+                    alt = [t for t in q.topk(min(W, q.shape[-1])).indices.tolist() if t != x][:W - 1]
                 else:
                     q = logits_to_probs(step_logits[i], s.params)  # (V,)
-                    tokens[i, j] = sample(q, s.generator)
+                    tokens[i, j] = x = sample(q, s.generator)
                     probs[i].append(q)
+                    alt = _without_replacement(q, [int(x)], W - 1, s.generator)
+                alts[i].append(alt)
             if j + 1 < K:
                 step_logits = self.model.forward(tokens[:, j:j + 1], cache, logits_for="last").logits[:, -1]
         drafts = []
         for i, s in enumerate(seqs):
             k = ks[i]
             s.drafter_state = len(s.tokens) + max(k - 1, 0)  # drafts past k are discarded
-            drafts.append(Draft(tokens[i, :k].tolist(), torch.stack(probs[i][:k]) if probs[i] and k else None))
+            chain = tokens[i, :k].tolist()
+            q = torch.stack(probs[i][:k]) if probs[i] and k else None
+            if W == 1 or k == 0:
+                drafts.append(Draft(chain, q))
+                continue
+            # the chain's nodes first (0..k-1), then each depth's alternatives as leaves of the same parent
+            toks, parents, rows = list(chain), list(range(-1, k - 1)), list(range(k))
+            for j in range(k):
+                for t in alts[i][j]:
+                    toks.append(t)
+                    parents.append(j - 1)
+                    rows.append(j)
+            drafts.append(Draft(toks, None if q is None else q[rows], parents))
         return drafts
 
-    def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor) -> None:
-        seq.drafter_state = min(seq.drafter_state, n_before + num_accepted)
+    def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,
+               path: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+        # the draft cache holds the chain: valid up to the first accepted node that is not a chain node
+        on_chain = num_accepted if path is None else next(
+            (d for d, node in enumerate(path) if node != d), len(path))
+        seq.drafter_state = min(seq.drafter_state, n_before + on_chain)
 
     def release(self, seq: Sequence) -> None:
         self.cache.reset(seq.row)
 
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
+
+
+def _without_replacement(q: torch.Tensor, taken: list[int], m: int, generator) -> list[int]:
+    """m further draws from q without replacement, after ``taken`` (each from q without the earlier ones)."""
+    out: list[int] = []
+    rest = q.clone()
+    rest[taken] = 0.0
+    for _ in range(m):
+        total = rest.sum()
+        if total <= 0:
+            break
+        x = int(sample(rest / total, generator))
+        out.append(x)
+        rest[x] = 0.0
+    return out
 
 
 def check_compatible(target_tok, draft_tok, target_cfg, draft_cfg) -> None:

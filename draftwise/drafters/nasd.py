@@ -8,6 +8,9 @@ below real observations. Drafting walks forward greedily: at each step the longe
 storage wins (back-off from N-1 to 1), and its best next token is proposed; the draft stops at the first
 context no table knows.
 
+With ``branches`` > 1 it proposes a token tree: the ``branches`` best first tokens (backing off for more),
+each followed by its greedy walk.
+
 Lossless under sampling: the drafter is deterministic, so q is one-hot on each proposed token and the
 verifier accepts x with probability p(x) and resamples from p without x on rejection (verify.py). The
 original design accepted filler tokens without that correction, which biases sampled output.
@@ -17,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidParameterError
 from ..sequence import Sequence
 from .base import Draft, StatelessDrafter
+from .pld import _trie
 
 
 class _Table:
@@ -60,6 +65,20 @@ class _Storage:
             t = self.tables[c][key] = _Table()
         return t
 
+    def candidates(self, context: list[int], m: int) -> list[int]:
+        """Up to m distinct next tokens, best first: by weight in the longest known context, then backing
+        off to shorter contexts for more."""
+        out: list[int] = []
+        for c in range(min(self.max_ctx, len(context)), 0, -1):
+            t = self.tables[c].get(tuple(context[-c:]))
+            if t is not None:
+                for tok in [t.best] + [tok for tok, _ in sorted(t.counts.items(), key=lambda kv: -kv[1])]:
+                    if tok not in out:
+                        out.append(tok)
+                    if len(out) >= m:
+                        return out
+        return out
+
     def predict(self, context: list[int]) -> int | None:
         for c in range(min(self.max_ctx, len(context)), 0, -1):
             t = self.tables[c].get(tuple(context[-c:]))
@@ -71,12 +90,15 @@ class _Storage:
 class NASDDrafter(StatelessDrafter):
     name = "nasd"
 
-    def __init__(self, max_ngram: int = 5, top_k: int = 4, filler_weight: float = 0.5):
+    def __init__(self, max_ngram: int = 5, top_k: int = 4, filler_weight: float = 0.5, branches: int = 1):
         if max_ngram < 2:
-            raise ValueError("max_ngram must be >= 2")
+            raise InvalidParameterError("max_ngram must be >= 2")
+        if not isinstance(branches, int) or branches < 1:
+            raise InvalidParameterError(f"branches must be an integer >= 1, got {branches!r}")
         self.max_ngram, self.top_k, self.filler_weight = max_ngram, top_k, filler_weight
+        self.branches = branches
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
         st = _Storage(self.max_ngram - 1)
         st.observe(seq.tokens)
         seq.drafter_state = st
@@ -87,17 +109,25 @@ class NASDDrafter(StatelessDrafter):
             st: _Storage = s.drafter_state
             st.observe(s.tokens)
             ctx = s.tokens[-st.max_ctx:]
-            draft: list[int] = []
-            while len(draft) < k:
-                nxt = st.predict(ctx)
-                if nxt is None:
-                    break
-                draft.append(nxt)
-                ctx = ctx[1:] + [nxt] if len(ctx) >= st.max_ctx else ctx + [nxt]
-            out.append(Draft(draft))
+            first = st.candidates(ctx, self.branches) if k > 0 else []
+            branches = [self._extend(st, ctx, t, k) for t in first]
+            out.append(_trie(branches))
         return out
 
-    def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor) -> None:
+    @staticmethod
+    def _extend(st: _Storage, ctx: list[int], first: int, k: int) -> list[int]:
+        """``first`` then greedy predictions, k tokens at most (stopping at an unknown context)."""
+        draft = [first]
+        while len(draft) < k:
+            ctx = (ctx + [draft[-1]])[-st.max_ctx:]
+            nxt = st.predict(ctx)
+            if nxt is None:
+                break
+            draft.append(nxt)
+        return draft
+
+    def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,
+               path: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
         st: _Storage = seq.drafter_state
         if self.top_k <= 0:
             return

@@ -101,6 +101,32 @@ class KVCache:
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         self.lengths[dst] = n
 
+    def keep_path(self, row: int, start: int, nodes: list[int]) -> None:
+        """After a token tree was verified in row ``row`` from slot ``start``: move the entries of the
+        accepted nodes (offsets from ``start``, root first, increasing) to contiguous slots ``start, start+1,
+        ...`` and set the row's length past them. A chain's accepted prefix is already in place."""
+        n = len(nodes)
+        if nodes != list(range(n)):
+            src = torch.tensor(nodes) + start  # gathered first (a copy), so overlapping moves are safe
+            self.k[:, row, :, start:start + n] = self.k[:, row, :, src]
+            self.v[:, row, :, start:start + n] = self.v[:, row, :, src]
+        self.lengths[row] = start + n
+
+    def reorder_rows(self, index: torch.Tensor | list[int], start: int = 0) -> None:
+        """Row i becomes a copy of row ``index[i]``, for rows 0..len(index)-1 (beam search: each surviving
+        beam's parent; a parent chosen twice is forked). Only rows that change are copied, and only entries
+        from ``start`` on: those before it are already the same in every row (the prompt, once forked)."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        dst = torch.nonzero(index != torch.arange(len(index))).flatten()
+        if len(dst) == 0:
+            return
+        src = index[dst]
+        n = int(self.lengths[src].max())
+        if n > start:  # gathered first (a copy), then written: a source row may also be a destination
+            self.k[:, dst, :, start:n] = self.k[:, src, :, start:n]
+            self.v[:, dst, :, start:n] = self.v[:, src, :, start:n]
+        self.lengths[dst] = self.lengths[src]
+
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 

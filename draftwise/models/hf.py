@@ -2,7 +2,8 @@
 
 The HF ``DynamicCache`` is wrapped in an object with the same pointer semantics as ``KVCache``:
 ``set_lengths`` only moves the pointer; the HF cache is cropped lazily at the next forward.
-One sequence at a time (rows=1): batching ragged sequences is the native backend's job.
+One sequence at a time (rows=1), or beams of one length (rows=N, beam search: ``reorder_rows`` forks
+them with ``DynamicCache.reorder_cache``): batching ragged sequences is the native backend's job.
 """
 
 from __future__ import annotations
@@ -16,20 +17,22 @@ from .base import LogitsFor, ModelConfig, ModelOutput
 
 
 class HFCache:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, rows: int = 1):
         from transformers import DynamicCache
 
         self.hf = DynamicCache()
-        self.lengths = torch.zeros(1, dtype=torch.long)
+        self.lengths = torch.zeros(rows, dtype=torch.long)
         self.capacity = capacity
 
-    rows = 1
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
 
     def length(self, row: int = 0) -> int:
         return int(self.lengths[0])
 
     def view(self, rows: slice) -> "HFCache":
-        if rows.start not in (0, None) or (rows.stop is not None and rows.stop > 1):
+        if rows.start not in (0, None) or (rows.stop is not None and rows.stop > 1 and rows.stop != self.rows):
             raise InvalidParameterError("the hf backend decodes one sequence at a time")
         return self
 
@@ -37,13 +40,27 @@ class HFCache:
         n = int(torch.as_tensor(lengths).reshape(-1)[0])
         if not 0 <= n <= self.capacity:
             raise ValueError(f"cache length {n} outside [0, {self.capacity}]")
-        self.lengths[0] = n
+        self.lengths[:] = n  # every row (rows > 1: beams, all of one length)
+
+    def keep_path(self, row: int, start: int, nodes: list[int]) -> None:
+        """Chains only (the hf backend verifies no trees): the accepted prefix is in place."""
+        if nodes != list(range(len(nodes))):
+            raise InvalidParameterError("the hf backend verifies chains, not token trees")
+        self.set_lengths(start + len(nodes))
 
     def reset(self, row: int | None = None) -> None:
         self.set_lengths(0)
 
     def move_row(self, src: int, dst: int) -> None:
         raise InvalidParameterError("the hf backend decodes one sequence at a time")
+
+    def reorder_rows(self, index: torch.Tensor | list[int], start: int = 0) -> None:
+        """Beams: row i becomes a copy of row ``index[i]`` (``KVCache.reorder_rows``). The DynamicCache
+        gathers every entry of every row (``start``, the native cache's saving, does not apply)."""
+        self.sync()
+        index = torch.as_tensor(index, dtype=torch.long)
+        self.hf.reorder_cache(index)
+        self.lengths[:len(index)] = self.lengths[index].clone()
 
     def sync(self) -> None:
         """Apply a pending rollback to the HF cache."""
@@ -59,9 +76,7 @@ class HFCausalLM:
         self.dtype = next(model.parameters()).dtype
 
     def new_cache(self, rows: int = 1, capacity: int | None = None) -> HFCache:
-        if rows != 1:
-            raise InvalidParameterError("the hf backend decodes one sequence at a time (rows=1)")
-        return HFCache(capacity or self.config.max_context)
+        return HFCache(capacity or self.config.max_context, rows)  # rows > 1: beams of one length only
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: HFCache, *, positions: torch.Tensor | None = None,
@@ -71,12 +86,14 @@ class HFCausalLM:
         cache.sync()
         B, T = input_ids.shape
         start = cache.length()
+        if bool((cache.lengths[:B] != start).any()):
+            raise InvalidParameterError("the hf backend batches rows of one length only (beams)")
         if positions is None:
             positions = start + torch.arange(T)[None].expand(B, T)
         last = isinstance(logits_for, str) and logits_for == "last"
         out = self.hf(input_ids=input_ids, past_key_values=cache.hf, position_ids=positions, use_cache=True,
                       output_hidden_states=True, logits_to_keep=1 if last else 0)
-        cache.lengths[0] = start + T
+        cache.lengths[:B] = start + T
         logits, hidden = out.logits.float(), out.hidden_states[-1]
         if isinstance(logits_for, torch.Tensor):
             rows = torch.arange(B)

@@ -4,14 +4,18 @@ GGUF tensors are re-laid out exactly (``gguf`` keeps the file's own integer code
 kernels/gguf_quant.py) or de-quantized with the ``gguf`` package (dense formats), renamed to HF names,
 with q/k/v and gate/up concatenated where their formats agree (``prefuse``), and cached as safetensors
 under ``$DRAFTWISE_HOME/converted/``. Later loads memory-map that file (``mmap_safetensors``): no copy at
-start-up, and processes serving the same model share its pages. No pickle is ever loaded.
+start-up, and processes serving the same model share its pages. No pickle is ever loaded. Each converted
+folder records its source (``SOURCE_RECORD``); writing a conversion removes the older ones of the same file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -25,6 +29,7 @@ from .registry import draftwise_home
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 CONVERT_VERSION = 2  # bump when the converted layout changes (2: projections stored fused)
+SOURCE_RECORD = "draftwise_source.json"  # in each converted folder: the GGUF it was made from
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -228,10 +233,49 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def converted_dir(gguf_path: Path) -> Path:
+def conversion_name(gguf_path: Path, version: int = CONVERT_VERSION) -> str:
+    """The converted folder's name: the GGUF's stem and a key of its path, size, mtime and ``version``."""
     st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERT_VERSION}".encode())
-    return draftwise_home() / "converted" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{version}".encode())
+    return f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+
+
+def converted_dir(gguf_path: Path) -> Path:
+    return draftwise_home() / "converted" / conversion_name(gguf_path)
+
+
+def read_source_record(folder: Path) -> dict | None:
+    try:
+        rec = json.loads((folder / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and "source" in rec and "convert_version" in rec else None
+
+
+def _write_source_record(gguf_path: Path, folder: Path) -> None:
+    st = gguf_path.stat()
+    rec = {"source": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+           "convert_version": CONVERT_VERSION}
+    (folder / SOURCE_RECORD).unlink(missing_ok=True)  # may be a hard link into the previous folder
+    (folder / SOURCE_RECORD).write_text(json.dumps(rec, indent=1))
+
+
+def prune_conversions(gguf_path: Path, keep: Path) -> list[Path]:
+    """Remove the conversions of ``gguf_path`` other than ``keep``: folders whose record names this file
+    (made before it changed, or under an older layout) and unrecorded ones named by this file's key under
+    an older CONVERT_VERSION. Folders of other files, and in-progress ``.tmp`` folders, are left alone."""
+    src = str(gguf_path.resolve())
+    older = {conversion_name(gguf_path, v) for v in range(CONVERT_VERSION)}
+    removed = []
+    for d in keep.parent.glob(f"{glob.escape(gguf_path.stem)}-*"):
+        if d == keep or not d.is_dir() or not re.fullmatch(re.escape(gguf_path.stem) + r"-[0-9a-f]{12}", d.name):
+            continue
+        rec = read_source_record(d)
+        if (d.name in older if rec is None
+                else rec["source"] == src and int(rec["convert_version"]) <= CONVERT_VERSION):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True):
@@ -244,6 +288,9 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True):
     weights = out / f"model-{tag}.safetensors"
     cfg_file = out / "draftwise_config.json"
     if weights.exists() and cfg_file.exists() and (out / "tokenizer_config.json").exists():
+        if not (out / SOURCE_RECORD).exists():  # converted before records were kept
+            with contextlib.suppress(OSError):
+                _write_source_record(path, out)
         return ModelConfig(**json.loads(cfg_file.read_text())), mmap_safetensors(weights), out
 
     from gguf import GGUFReader
@@ -267,8 +314,10 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True):
         _save_gguf_tokenizer(path, tmp)
     save_file(sd, str(tmp / weights.name))
     (tmp / cfg_file.name).write_text(json.dumps(cfg.to_dict(), indent=1))
+    _write_source_record(path, tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+    prune_conversions(path, out)
     del sd  # the converted copy is mapped, like every later load
     return cfg, mmap_safetensors(weights), out
 

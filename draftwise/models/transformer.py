@@ -83,15 +83,16 @@ class Attention(nn.Module):
         self.o = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, start: list[int], attn_mask: torch.Tensor | None) -> torch.Tensor:
+                v_cache: torch.Tensor, start: list[int], tree: "TreeMask | None") -> torch.Tensor:
         # x: (B, T, D); cos/sin: (B, T, hd); k_cache/v_cache: (B, nkv, cap, hd); start[b] = row b's length
         B, T, _ = x.shape
         qkv = self.qkv(x)  # (B, T, (nh + 2 nkv) hd)
-        ext = _fused_ops(qkv) if attn_mask is None and k_cache.dtype == torch.float32 else None
+        ext = _fused_ops(qkv) if k_cache.dtype == torch.float32 else None
         if ext is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
             # the same computation as below, fused: one call instead of ~35 ops
+            vis, nvis = (tree.vis, tree.nvis) if tree is not None else (_NONE, _NONE)
             out = ext.decode_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
-                                       start, self.nh, self.nkv)  # (B, T, nh hd)
+                                       start, self.nh, self.nkv, vis, nvis)  # (B, T, nh hd)
             return self.o(out)
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q = q.view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
@@ -105,29 +106,51 @@ class Attention(nn.Module):
             L = start[b]
             k_cache[b, :, L:L + T] = k[b]
             v_cache[b, :, L:L + T] = v[b]
-            if attn_mask is None and T <= EXACT_MAX_T:
+            if T <= EXACT_MAX_T:
                 for t in range(T):  # exactly the call plain decoding makes for this token
-                    out[b, :, t] = self._attend_one(q[b, :, t], k_cache[b, :, :L + t + 1], v_cache[b, :, :L + t + 1])
+                    if tree is None:
+                        keys = slice(0, L + t + 1)
+                    else:  # the cached prefix, then the node's path in order
+                        keys = torch.cat([torch.arange(L), L + tree.vis[b, t, :int(tree.nvis[b, t])]])
+                    out[b, :, t] = self._attend_one(q[b, :, t], k_cache[b, :, keys], v_cache[b, :, keys])
             else:
                 keys = torch.arange(L + T)
-                if attn_mask is None:  # causal, offset by the cached prefix
+                if tree is None:  # causal, offset by the cached prefix
                     mask = keys[None, :] <= (L + torch.arange(T))[:, None]  # (T, L+T)
                 else:  # tree: whole prefix + the new tokens the mask allows
-                    mask = torch.cat([torch.ones(T, L, dtype=torch.bool), attn_mask[b]], dim=1)
+                    mask = torch.cat([torch.ones(T, L, dtype=torch.bool), tree.mask[b]], dim=1)
                 out[b] = F.scaled_dot_product_attention(
                     q[b:b + 1], k_cache[b:b + 1, :, :L + T], v_cache[b:b + 1, :, :L + T],
                     attn_mask=mask, enable_gqa=True)[0]
         return self.o(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
-
     def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One query token over its keys, grouped-query. q: (nh, hd); k, v: (nkv, S, hd) -> (nh, hd).
         Three small ops: torch's CPU flash-attention kernel costs ~5 ms per call for a single query."""
         g = self.nh // self.nkv
+        k, v = k.contiguous(), v.contiguous()  # a slice and a gathered copy of the same keys: the same call
         qg = q.view(self.nkv, g, self.hd)  # (nkv, g, hd)
         scores = torch.matmul(qg, k.transpose(1, 2)) * (self.hd ** -0.5)  # (nkv, g, S)
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         return torch.matmul(probs, v).view(self.nh, self.hd)  # (nh, hd)
+
+
+_NONE = torch.empty(0, dtype=torch.long)
+
+
+class TreeMask:
+    """A (B, T, T) attention mask over the new tokens, each token seeing its ancestors and itself (a token
+    tree in topological order: a parent before its children), as the kernel takes it: ``vis[b, t, :nvis]``
+    the visible new tokens of token t in increasing index order — for a tree, its path from the root."""
+
+    def __init__(self, mask: torch.Tensor):
+        B, T, _ = mask.shape
+        self.mask = mask  # (B, T, T) bool
+        idx = torch.arange(T).expand(B, T, T)
+        self.vis = torch.where(mask, idx, T).sort(-1).values.clamp_max(T - 1).contiguous()  # (B, T, T) int64
+        self.nvis = mask.sum(-1).contiguous()  # (B, T) int64
+        if bool((self.nvis < 1).any()) or not bool(mask.diagonal(dim1=1, dim2=2).all()):
+            raise ValueError("attn_mask: every token must see itself")
 
 
 class MLP(nn.Module):
@@ -156,6 +179,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    supports_trees = True  # forward takes a tree attn_mask; its nodes get the bits decoding their paths gives
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.config = cfg
@@ -190,10 +215,11 @@ class Transformer(nn.Module):
         if positions is None:
             positions = cache.lengths[:B, None] + torch.arange(T)  # (B, T)
         cos, sin = self.rotary.tables(positions, self.dtype)
+        tree = TreeMask(attn_mask) if attn_mask is not None else None
         h = self.embed(input_ids)  # (B, T, D)
         with bulk(T > EXACT_MAX_T):  # a long prefill: GEMM path (never compared token for token)
             for i, layer in enumerate(self.layers):
-                h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, attn_mask)
+                h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree)
                 h = h + layer.mlp(layer.mlp_norm(h))
         cache.lengths[:B] += T
         if isinstance(logits_for, torch.Tensor):  # one position per row

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..api import uses_draft_model
 from .cli import engine_config, load
 from .engine import Engine, with_overrides
 from .server import BackgroundServer
@@ -179,7 +180,7 @@ def cmd_bench_serve(args) -> int:
         modes = ["ar"]
     dw = load(args, cfg.method)
     model = args.target
-    print(f"bench-serve: target {args.target}" + (f", draft {args.draft}" if cfg.method == "draft" else "")
+    print(f"bench-serve: target {args.target}" + (f", draft {args.draft}" if uses_draft_model(cfg.method) else "")
           + f", method {cfg.method}, γ ≤ {cfg.gamma}, max_tokens {args.max_tokens}, "
           f"concurrency {','.join(map(str, args.concurrency))}", file=sys.stderr)
     print(HEADER)

@@ -11,12 +11,13 @@ import ipaddress
 import os
 import sys
 
+from ..api import TREE_WIDTH, tree_options
 from ..errors import DraftwiseError, InvalidParameterError
 
 COMMANDS = ("serve", "bench-serve")
 
 
-def _positive_int(s: str) -> int:
+def positive_int(s: str) -> int:
     try:
         v = int(s)
     except ValueError:
@@ -39,18 +40,20 @@ def _int_list(s: str) -> list[int]:
 def _engine_args(p: argparse.ArgumentParser, methods) -> None:
     p.add_argument("--method", default="draft", choices=methods, help="drafting method (default draft); "
                    "requests may also ask for plain decoding ('ar')")
-    p.add_argument("--gamma", type=_positive_int, default=4, help="largest draft length (default 4)")
+    p.add_argument("--gamma", type=positive_int, default=4, help="largest draft length (default 4)")
     p.add_argument("--gamma-policy", default="adaptive", choices=["adaptive", "fixed"],
                    help="adaptive (default): γ in [0, --gamma] maximising measured tokens/s, 0 turns "
                         "speculation off under load; fixed: always --gamma")
     p.add_argument("--kv-cache-mb", type=float, default=2048.0,
                    help="memory for the target + draft KV caches; sets the number of cache rows (default 2048)")
-    p.add_argument("--max-batch", type=_positive_int, default=16, help="most sequences decoded together (default 16)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None,
+    p.add_argument("--max-batch", type=positive_int, default=16, help="most sequences decoded together (default 16)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context per sequence, prompt + output (default: the model's, at most 4096)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a free row; more are refused with 503 (default 64)")
-    p.add_argument("--max-prefill-tokens", type=_positive_int, default=2048,
+    p.add_argument("--tree-width", type=positive_int, default=TREE_WIDTH,
+                   help=f"branches of a *-tree method's token trees (default {TREE_WIDTH})")
+    p.add_argument("--max-prefill-tokens", type=positive_int, default=2048,
                    help="prompt tokens prefilled between two decode steps (default 2048)")
 
 
@@ -70,9 +73,9 @@ def add_parsers(sub, model_args, methods) -> None:
     model_args(b)
     _engine_args(b, methods)
     b.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="comma-separated (default 1,4,16)")
-    b.add_argument("--requests", type=_positive_int, default=None,
+    b.add_argument("--requests", type=positive_int, default=None,
                    help="requests per concurrency level (default: max(4, 2 × concurrency))")
-    b.add_argument("--max-tokens", type=_positive_int, default=64, help="output tokens per request (default 64)")
+    b.add_argument("--max-tokens", type=positive_int, default=64, help="output tokens per request (default 64)")
     b.add_argument("--modes", default="ar,fixed,adaptive",
                    help="comma-separated: ar (no speculation), fixed (γ = --gamma), adaptive (default: all)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -99,15 +102,16 @@ def engine_config(args):
         raise InvalidParameterError(f"--max-queue must be >= 0, got {args.max_queue}")
     return EngineConfig(method=args.method, gamma=args.gamma, gamma_policy=args.gamma_policy,
                         kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch, max_model_len=args.max_model_len,
-                        max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens)
+                        max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
+                        drafter_options=tree_options(args.method, args.tree_width, args.heads))
 
 
 def load(args, method: str):
-    from ..api import SpeculativeDecoder
+    from ..api import SpeculativeDecoder, uses_draft_model
     from ..cli import _setup_threads
 
     _setup_threads(args)
-    return SpeculativeDecoder(args.target, args.draft if method == "draft" else None, dtype=args.dtype,
+    return SpeculativeDecoder(args.target, args.draft if uses_draft_model(method) else None, dtype=args.dtype,
                               draft_dtype=args.draft_dtype, backend=args.backend)
 
 

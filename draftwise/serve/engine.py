@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from ..api import METHODS, SpeculativeDecoder, output_text
+from ..api import METHODS, SpeculativeDecoder, output_text, uses_draft_model
 from ..decode import Decoder, FixedGamma, GammaPolicy
 from ..drafters.base import Draft, Drafter
 from ..errors import DraftwiseError, InvalidParameterError
@@ -149,9 +149,9 @@ class ServeDrafter:
                 self.inner.release(s)
                 s.attached, s.drafter_state = False, None
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: Sequence, *, hidden=None) -> None:
         if self.attach_new:
-            self.inner.start(seq)
+            self.inner.start(seq, hidden=hidden)
             seq.attached = True
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -167,9 +167,9 @@ class ServeDrafter:
             self.inner.propose(seqs, [1] * len(seqs))
         return [Draft([]) for _ in seqs]
 
-    def accept(self, seq, n_before, num_accepted, target_logits) -> None:
+    def accept(self, seq, n_before, num_accepted, target_logits, *, path=None, hidden=None) -> None:
         if seq.attached:
-            self.inner.accept(seq, n_before, num_accepted, target_logits)
+            self.inner.accept(seq, n_before, num_accepted, target_logits, path=path, hidden=hidden)
 
     def release(self, seq: Sequence) -> None:
         if seq.attached:
@@ -227,7 +227,7 @@ class Engine:
         self.headroom = cfg.gamma + 1 if self.speculative else 1
         self.capacity = self.max_model_len + self.headroom  # tokens per cache row
         per_token = kv_bytes_per_token(model.config, model.dtype)
-        if cfg.method == "draft":
+        if uses_draft_model(cfg.method):
             per_token += kv_bytes_per_token(dw.draft.model.config, dw.draft.model.dtype)
         self.kv_bytes_per_token = per_token
         self.row_bytes = per_token * self.capacity

@@ -96,18 +96,23 @@ void rope_append(float* qkv, const float* cos, const float* sin, float* kc, floa
 }
 
 void attend_items(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
-                  int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1, float* p) {
+                  int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1, float* p,
+                  const int64_t* vis, const int64_t* nvis) {
   const int64_t W = (nh + 2 * nkv) * hd, g = nh / nkv;
   const float scale = 1.0f / std::sqrt((float)hd);
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t b = i / (T * nh), t = (i / nh) % T, h = i % nh, kvh = h / g;
-    const int64_t S = start[b] + t + 1;
+    const int64_t L = start[b];
+    // the keys token t sees, in order: slots 0..L-1, then its visible new tokens (a tree node: its path)
+    const int64_t* seen = vis ? vis + (b * T + t) * T : nullptr;
+    const int64_t S = L + (vis ? nvis[b * T + t] : t + 1);
     const float* q = qkv + (b * T + t) * W + h * hd;
     const float* K = kc + (b * nkv + kvh) * cap * hd;
     const float* V = vc + (b * nkv + kvh) * cap * hd;
+    auto slot = [&](int64_t s) { return s < L || !seen ? s : L + seen[s - L]; };
     float mx = -INFINITY;
     for (int64_t s = 0; s < S; ++s) {
-      p[s] = dot16(q, K + s * hd, hd) * scale;
+      p[s] = dot16(q, K + slot(s) * hd, hd) * scale;
       mx = p[s] > mx ? p[s] : mx;
     }
     float sum[16] = {0};
@@ -120,7 +125,7 @@ void attend_items(const float* qkv, const float* kc, const float* vc, const int6
     for (int64_t j = 0; j < hd; ++j) o[j] = 0.f;
     for (int64_t s = 0; s < S; ++s) {
       const float w = p[s] * inv;
-      const float* v = V + s * hd;
+      const float* v = V + slot(s) * hd;
       for (int64_t j = 0; j < hd; ++j) o[j] = o[j] + w * v[j];
     }
   }

@@ -68,9 +68,11 @@ torch::Tensor dequantize_bf16(torch::Tensor q, torch::Tensor scale, torch::Tenso
 
 // qkv: (B, T, (nh + 2 nkv) hd) f32 (q and k are rotated in place); cos, sin: (B, T, hd) f32;
 // k_cache, v_cache: (B, nkv, cap, hd) f32; start[b]: cached length of row b. Appends the T new keys /
-// values at start[b].. and returns (B, T, nh hd).
+// values at start[b].. and returns (B, T, nh hd). vis (B, T, T) int64 / nvis (B, T) int64, both empty for
+// causal attention: token t of row b sees the new tokens vis[b, t, :nvis[b, t]] (a token tree's paths).
 torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                               torch::Tensor v_cache, std::vector<int64_t> start, int64_t nh, int64_t nkv) {
+                               torch::Tensor v_cache, std::vector<int64_t> start, int64_t nh, int64_t nkv,
+                               torch::Tensor vis, torch::Tensor nvis) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous(), "qkv: (B, T, W) f32");
   TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "kv cache: contiguous f32");
@@ -82,6 +84,17 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
     TORCH_CHECK(start[b] + T <= cap, "KV cache overflow");
     most = std::max(most, start[b] + T);
   }
+  const bool tree = vis.numel() > 0;
+  if (tree) {
+    TORCH_CHECK(vis.scalar_type() == torch::kInt64 && nvis.scalar_type() == torch::kInt64 && vis.is_contiguous() &&
+                nvis.is_contiguous() && vis.numel() == B * T * T && nvis.numel() == B * T, "vis (B, T, T) / nvis (B, T) int64");
+    const int64_t* vp = vis.data_ptr<int64_t>();
+    const int64_t* np = nvis.data_ptr<int64_t>();
+    for (int64_t i = 0; i < B * T; ++i) {
+      TORCH_CHECK(np[i] >= 1 && np[i] <= T, "nvis out of range");
+      for (int64_t j = 0; j < np[i]; ++j) TORCH_CHECK(vp[i * T + j] >= 0 && vp[i * T + j] < T, "vis out of range");
+    }
+  }
   float* qp = qkv.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
@@ -90,7 +103,8 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * T * nh, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(most);
-    dw::attend_items(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, op, i0, i1, p.data());
+    dw::attend_items(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, op, i0, i1, p.data(),
+                     tree ? vis.data_ptr<int64_t>() : nullptr, tree ? nvis.data_ptr<int64_t>() : nullptr);
   });
   return out;
 }

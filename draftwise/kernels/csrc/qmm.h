@@ -139,10 +139,13 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t D, float eps, f
 void silu_mul(const float* gu, int64_t M, int64_t F, float* out);
 void rope_append(float* qkv, const float* cos, const float* sin, float* kc, float* vc, const int64_t* start,
                  int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap);
-// attention of item i in [0, B * T * nh) (row b, token t, head h) over its start[b] + t + 1 keys
+// attention of item i in [0, B * T * nh) (row b, token t, head h) over its start[b] + t + 1 keys (causal), or,
+// given vis / nvis (a token tree), over the start[b] cached keys and then the nvis[b, t] new tokens
+// vis[b, t, 0..nvis-1] (indices into the T new tokens: a node's path, root first) — the keys, in the same
+// order, that decoding the path one token at a time attends to, so the node's output is the same bits
 void attend_items(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1,
-                  float* scratch /* >= max keys */);
+                  float* scratch /* >= max keys */, const int64_t* vis = nullptr, const int64_t* nvis = nullptr);
 // (N, K) bf16 bits of w = scale * q - minv (rounded to nearest even), rows n0..n1
 void dequantize_bf16_rows(const uint8_t* q, const float* scale, const float* minv, int64_t K, int64_t G,
                           int64_t bits, uint16_t* out, int64_t n0, int64_t n1);
