@@ -200,7 +200,7 @@ class Decoder:
             try:
                 k = len(d.tokens)
                 kinds = [ACCEPTED] * r.num_accepted + [PLAIN if k == 0 else BONUS if r.bonus else RECOVERED]
-                s.stats.record_step(k, r.num_accepted)
+                s.stats.record_step(k, r.num_accepted, max(d.depths(), default=0) if d.is_tree else None)
                 s.stats.gammas.append(ks[i])
                 self._append(s, r.tokens, kinds)
                 if self.drafter is not None and not s.finished:

@@ -43,11 +43,13 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """One target pass over ``drafted`` draft tokens (a tree's nodes, ``depth`` levels deep; a chain's
+        depth is its length), ``accepted`` of them kept; acceptance by position counts depth levels."""
         self.drafted += drafted
         self.accepted += accepted
         self.target_passes += 1
-        for i in range(drafted):
+        for i in range(drafted if depth is None else depth):
             if i >= len(self.drafted_by_position):
                 self.drafted_by_position.append(0)
                 self.accepted_by_position.append(0)
