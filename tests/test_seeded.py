@@ -137,7 +137,7 @@ def test_same_seed_same_text_for_any_gamma_and_batch(tiny_target, tiny_draft, pl
     """The sequence under test (seeded, row 0) beside batch-1 other sequences (seeded and unseeded,
     other parameters) with γ fixed or adaptive: its text is plain decoding's alone."""
     params = SamplingParams(temperature=0.9, max_tokens=24, seed=seed)
-    others = [SamplingParams(temperature=0.7, max_tokens=10 + 3 * i, seed=None if i % 2 else seed + i + 1)
+    others = [SamplingParams(temperature=0.7, max_tokens=10 + 3 * i, seed=None if i % 2 else (seed + i + 1) % 2**64)
               for i in range(batch - 1)]
     prompts = [PROMPTS[3]] + [PROMPTS[i % 3] for i in range(batch - 1)]
     drafter = _drafters(tiny_draft, batch)[method]
