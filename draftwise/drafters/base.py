@@ -87,6 +87,25 @@ class Draft:
         return Draft([self.tokens[i] for i in chain], None if self.probs is None else self.probs[chain])
 
 
+def trie(branches: list[list[int]]) -> Draft:
+    """One draft from candidate continuations (best first): a chain for one, else a tree sharing prefixes."""
+    if len(branches) <= 1:
+        return Draft(branches[0] if branches else [])
+    tokens: list[int] = []
+    parents: list[int] = []
+    child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for branch in branches:
+        node = -1
+        for t in branch:
+            nxt = child.get((node, t))
+            if nxt is None:
+                nxt = child[(node, t)] = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+            node = nxt
+    return Draft(tokens, parents=parents)
+
+
 class Drafter(Protocol):
     name: str
 

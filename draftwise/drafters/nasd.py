@@ -22,8 +22,7 @@ import torch
 
 from ..errors import InvalidParameterError
 from ..sequence import Sequence
-from .base import Draft, StatelessDrafter
-from .pld import _trie
+from .base import Draft, StatelessDrafter, trie
 
 
 class _Table:
@@ -111,7 +110,7 @@ class NASDDrafter(StatelessDrafter):
             ctx = s.tokens[-st.max_ctx:]
             first = st.candidates(ctx, self.branches) if k > 0 else []
             branches = [self._extend(st, ctx, t, k) for t in first]
-            out.append(_trie(branches))
+            out.append(trie(branches))
         return out
 
     @staticmethod

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import InvalidParameterError
 from ..sequence import Sequence
-from .base import Draft, StatelessDrafter
+from .base import Draft, StatelessDrafter, trie
 
 
 @dataclass
@@ -64,7 +64,7 @@ class PromptLookupDrafter(StatelessDrafter):
                             starts.append(pos)
                 if len(starts) >= self.branches:
                     break
-            out.append(_trie([_continuation(toks, pos, k) for pos in starts[:self.branches]]))
+            out.append(trie([_continuation(toks, pos, k) for pos in starts[:self.branches]]))
         return out
 
 
@@ -75,22 +75,3 @@ def _continuation(toks: list[int], pos: int, k: int) -> list[int]:
     while len(draft) < k:
         draft.append(ext[len(draft)] if len(draft) < len(ext) else draft[len(draft) - len(ext)])
     return draft
-
-
-def _trie(branches: list[list[int]]) -> Draft:
-    """One draft from candidate continuations (best first): a chain for one, else a tree sharing prefixes."""
-    if len(branches) <= 1:
-        return Draft(branches[0] if branches else [])
-    tokens: list[int] = []
-    parents: list[int] = []
-    child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-    for branch in branches:
-        node = -1
-        for t in branch:
-            nxt = child.get((node, t))
-            if nxt is None:
-                nxt = child[(node, t)] = len(tokens)
-                tokens.append(t)
-                parents.append(node)
-            node = nxt
-    return Draft(tokens, parents=parents)
