@@ -17,8 +17,10 @@ from .decode import MAX_TREE_TOKENS, Decoder, FixedGamma, GammaPolicy
 from .gamma import AdaptiveGamma, measure_forward_costs
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter, check_compatible
+from .drafters.lookahead import LookaheadDrafter, parse_lookahead
 from .drafters.nasd import NASDDrafter
 from .drafters.pld import PromptLookupDrafter
+from .drafters.suffix import SuffixCache, SuffixDrafter
 from .errors import InvalidParameterError
 from .models import LoadedModel, load_model
 from .sampling import SamplingParams
@@ -26,10 +28,16 @@ from .sequence import GenerationStats, Sequence
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-METHODS = ("ar", "draft", "pld", "nasd", "draft-tree", "pld-tree", "nasd-tree", "medusa")
+METHODS = ("ar", "draft", "pld", "nasd", "draft-tree", "pld-tree", "nasd-tree", "suffix", "medusa", "auto",
+           "layerskip", "lookahead")
+AUTO = "auto"  # per request and step, the drafter (or none) with the most expected tokens per second
+AUTO_CHILDREN = ("pld", "nasd", "suffix")  # what auto chooses among by default (drafter option "methods" changes it)
 HEAD_METHODS = ("medusa",)  # draft heads trained on the target (``draftwise train-head``), token trees
 TREE_SUFFIX = "-tree"  # the same drafter proposing a token tree (``branches`` > 1, default TREE_WIDTH)
 TREE_WIDTH = 3
+SUFFIX = "suffix"  # SuffixDecoding: trees from this request and earlier ones (``SpeculativeDecoder.suffix_cache``)
+LAYERSKIP = "layerskip"  # the target drafts with a measured subset of its own layers (drafters/layerskip.py)
+LOOKAHEAD = "lookahead"  # Jacobi window + n-gram pool in the verifying pass (drafters/lookahead.py); sizes its own tree
 
 
 def drafter_kind(method: str) -> tuple[str, bool]:
@@ -41,14 +49,21 @@ def uses_draft_model(method: str) -> bool:
     return drafter_kind(method)[0] == "draft"
 
 
-def tree_options(method: str, width: int, heads: str | None = None) -> dict:
-    """drafter options: a tree method's branches, a head method's heads folder."""
-    opts: dict = {"branches": width} if method.endswith(TREE_SUFFIX) or method in HEAD_METHODS else {}
+def tree_options(method: str, width: int | None, heads: str | None = None, lookahead: str | None = None) -> dict:
+    """drafter options from ``--tree-width`` (None: the method's default) and ``--heads``: a tree method's
+    branches (default TREE_WIDTH), suffix's node budget (default suffix.MAX_NODES), a head method's heads;
+    from ``--lookahead W,N,G``: method lookahead's window, n-gram size and n-grams verified."""
+    if method == LOOKAHEAD:
+        return parse_lookahead(lookahead) if lookahead is not None else {}
+    if method == SUFFIX:
+        return {"max_nodes": width} if width is not None else {}
+    opts: dict = {"branches": width or TREE_WIDTH} if method.endswith(TREE_SUFFIX) or method in HEAD_METHODS else {}
     if method in HEAD_METHODS and heads:
         opts["heads"] = heads
     return opts
 BEAM = "beam"  # beam search: a baseline beside the lossless methods (another search, not ar's output)
 AUTO_MAX_GAMMA = 8  # the adaptive policy chooses γ in [0, 8] per step
+AUTO_COST_SIZES = (1, 2, 3, 5, 9)  # target pass sizes measured for method auto's cost model
 
 
 @dataclass
@@ -80,8 +95,12 @@ class SpeculativeDecoder:
 
     def __init__(self, target: str | LoadedModel = DEFAULT_TARGET, draft: str | LoadedModel | None = DEFAULT_DRAFT,
                  *, dtype: str = "auto", draft_dtype: str | None = None, backend: str = "native",
-                 progress: bool = True):
+                 progress: bool = True, skip_layers: str | list[int] | None = None):
+        """``skip_layers`` ("3,5,7-12" or indices): the layers method layerskip skips, instead of the
+        calibrated set (``layerskip_plan``)."""
         self.dtype, self.backend, self.progress = dtype, backend, progress
+        self.skip_layers = skip_layers
+        self._skip_plans: dict = {}  # method layerskip: skip set (None: calibrated) -> SkipPlan
         self.draft_dtype = draft_dtype or dtype
         self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype, backend, progress)
         self._draft_ref = draft
@@ -89,6 +108,8 @@ class SpeculativeDecoder:
         self._auto: dict[str, AdaptiveGamma] = {}  # per method: step costs are learned across requests
         self._target_costs: dict[int, float] = {}  # measured forward seconds over T new tokens (prime)
         self._draft_cost: float | None = None
+        self._auto_arms: dict = {}  # method auto: each drafter's acceptance pooled over requests (a prior)
+        self.suffix_cache = SuffixCache()  # method suffix: earlier requests' tokens, shared by its drafters
         self._draft: LoadedModel | None = draft if isinstance(draft, LoadedModel) else None
         if self._draft is not None:
             self._check_draft(self._draft)
@@ -119,6 +140,62 @@ class SpeculativeDecoder:
             self._heads[folder] = load_heads(folder, sha).for_inference()
         return self._heads[folder]
 
+    def layerskip_plan(self, skip_layers: str | list[int] | None = None):
+        """Method layerskip's ``SkipPlan``: the layers given (``skip_layers``, else the decoder's own), with
+        their draft pass timed; else the set calibrated for this target weight file and format — measured
+        once (``drafters/layerskip.calibrate``, about a minute for the 1.5B target on 2 cores) and kept in
+        ``$DRAFTWISE_HOME/layerskip/``. Says which layers it skips on stderr, once per set."""
+        import sys
+
+        from .drafters import layerskip as ls
+
+        if self.backend != "native":
+            raise InvalidParameterError("method 'layerskip' runs a subset of the target's own layers: it needs the "
+                                        "native backend (--backend native)")
+        spec = skip_layers if skip_layers is not None else self.skip_layers
+        L = self.target.config.num_layers
+        key = None if spec is None else ls.parse_skip_layers(spec, L)
+        if key not in self._skip_plans:
+            if key is None:
+                plan, where = self._calibrated_skip_plan()
+            else:
+                kept = tuple(i for i in range(L) if i not in key)
+                plan, where = ls.SkipPlan(list(key), L, ls.measure_draft_ratio(self.target.model, kept),
+                                          source="given"), "as given"
+            print(f"draftwise: layerskip: {plan.describe()} ({where})", file=sys.stderr)
+            self._skip_plans[key] = plan
+        return self._skip_plans[key]
+
+    def _calibrated_skip_plan(self):
+        import sys
+
+        from .drafters import layerskip as ls
+        from .heads import target_identity
+        from .models.registry import draftwise_home, resolve
+
+        try:
+            identity = target_identity(resolve(self.target.name, progress=False))
+        except Exception:  # a model built in memory: known by its name only
+            identity = f"name:{self.target.name}"
+        path = ls.plan_path(draftwise_home(), identity, self.target.weights, self.target.name)
+        plan = ls.load_plan(path, self.target.config.num_layers)
+        if plan is not None:
+            return plan, f"cached in {path}"
+        sizes = range(1, ls.CALIBRATION_DEPTH + 2)  # target passes over k + 1 tokens
+        missing = [T for T in sizes if T not in self._target_costs]
+        if missing:
+            self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
+                                                                         sizes=missing)))
+        if self.progress:
+            print(f"draftwise: layerskip: no skip set measured for {self.target.name} ({self.target.weights}) "
+                  "yet: calibrating once (about a minute) ...", file=sys.stderr)
+        log = (lambda m: print(f"draftwise: {m}", file=sys.stderr)) if self.progress else None
+        plan = ls.calibrate(self.target.model, ls.calibration_prompts(self.tokenizer),
+                            lambda T: self._target_costs[T], log=log)
+        plan.target, plan.weights = str(self.target.name), self.target.weights
+        ls.save_plan(plan, path)
+        return plan, f"saved to {path}"
+
     def _check_draft(self, d: LoadedModel) -> None:
         check_compatible(self.target.tokenizer, d.tokenizer, self.target.config, d.config)
 
@@ -134,6 +211,10 @@ class SpeculativeDecoder:
     def make_drafter(self, method: str, rows: int, capacity: int, **opts) -> Drafter | None:
         if method == "ar":
             return None
+        if method == SUFFIX:  # option share=False: this request's own tokens only
+            return SuffixDrafter(self.suffix_cache if opts.pop("share", True) else None, **opts)
+        if method == LOOKAHEAD:
+            return LookaheadDrafter(**opts)
         base, tree = drafter_kind(method)
         opts = {"branches": TREE_WIDTH if tree else 1, **opts}
         if method in METHODS and base == "draft":
@@ -142,6 +223,13 @@ class SpeculativeDecoder:
             return PromptLookupDrafter(**opts)
         if method in METHODS and base == "nasd":
             return NASDDrafter(**opts)
+        if method == LAYERSKIP:  # option skip_layers: instead of the plan's set
+            from .drafters.layerskip import LayerSkipDrafter
+
+            opts.pop("branches", None)  # a chain drafter
+            return LayerSkipDrafter(self.target.model, self.layerskip_plan(opts.pop("skip_layers", None)).skip, **opts)
+        if method == AUTO:
+            return self._auto_drafter(rows, capacity, **opts)
         if method == "medusa":
             from .drafters.medusa import MedusaDrafter
 
@@ -153,6 +241,42 @@ class SpeculativeDecoder:
             return MedusaDrafter(self.heads(heads), **opts)
         raise InvalidParameterError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
+    def _auto_drafter(self, rows: int, capacity: int, methods: list[str] | tuple[str, ...] | None = None,
+                      branches: int = 1, **opts) -> Drafter:
+        """The auto drafter over ``methods`` (default AUTO_CHILDREN: the drafters that cost no model
+        forwards; "draft" may be named when a draft model is set), priced by this machine's measured
+        target pass costs (and the draft model's cost per token)."""
+        from .drafters.auto import AutoDrafter
+
+        names = list(methods) if methods is not None else [m for m in AUTO_CHILDREN if m in METHODS]
+        bad = [m for m in names if m not in METHODS or m in (AUTO, "ar") or m in HEAD_METHODS and not opts.get("heads")]
+        if bad or not names:
+            raise InvalidParameterError(f"method 'auto' chooses among drafting methods; cannot use {bad or names}")
+        children = {m: self.make_drafter(m, rows, capacity, **opts) for m in names}
+        draft_cost = {m: self._per_draft_cost(m) for m in names if uses_draft_model(m)}
+        self.pass_cost(1)  # measured here (once per process), not inside the first decode step
+        return AutoDrafter(children, self.pass_cost, draft_cost=draft_cost, pooled=self._auto_arms)
+
+    def _per_draft_cost(self, method: str) -> float:
+        if self._draft_cost is None:
+            self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0] \
+                if self.backend == "native" else 0.0
+        return self._draft_cost
+
+    def pass_cost(self, tokens: int) -> float:
+        """Seconds of a batch-1 target pass over ``tokens`` new tokens on this machine: measured once per
+        process at a few sizes (about two seconds for the 1.5B target), linear in between and beyond."""
+        sizes = AUTO_COST_SIZES
+        missing = [T for T in sizes if T not in self._target_costs]
+        if missing:
+            self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
+                                                                         sizes=missing)))
+        pts = [(T, self._target_costs[T]) for T in sizes]
+        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+            if tokens <= t1 or t1 == pts[-1][0]:
+                return max(c0 + (c1 - c0) * (tokens - t0) / (t1 - t0), pts[0][1])
+        return pts[0][1]
+
     def gamma_policy(self, method: str, gamma: int | str | GammaPolicy, params: SamplingParams | None = None
                      ) -> GammaPolicy:
         """An int is a fixed γ; "auto" the adaptive policy of this method (its measured step costs are
@@ -160,6 +284,10 @@ class SpeculativeDecoder:
         draws are position-keyed, so the text does not depend on the γ chosen (sampling.py)."""
         if isinstance(gamma, bool):
             raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+        if method == AUTO and gamma == "auto":  # the auto drafter chooses each row's depth itself, up to γ
+            return FixedGamma(AUTO_MAX_GAMMA)
+        if method == LOOKAHEAD and gamma == "auto":  # W, N, G size the tree; the window must be fed every step
+            return FixedGamma(MAX_TREE_TOKENS - 1)
         if isinstance(gamma, int):
             return FixedGamma(gamma)
         if isinstance(gamma, str):
@@ -170,6 +298,9 @@ class SpeculativeDecoder:
             if method not in self._auto:
                 self._auto[method] = self.prime(AdaptiveGamma(AUTO_MAX_GAMMA), method)
             return self._auto[method]
+        if method == AUTO and isinstance(gamma, AdaptiveGamma):
+            raise InvalidParameterError("method 'auto' chooses its draft lengths itself: give gamma as an "
+                                        "integer (the deepest draft) or 'auto'")
         return gamma
 
     def prime(self, policy: AdaptiveGamma, method: str) -> AdaptiveGamma:
@@ -186,6 +317,8 @@ class SpeculativeDecoder:
             self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
                                                                          sizes=missing)))
         per_draft = 0.0
+        if base == LAYERSKIP:
+            per_draft = self.layerskip_plan().draft_ratio * self._target_costs[1]
         if base == "draft":
             if self._draft_cost is None:
                 self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0]

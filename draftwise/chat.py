@@ -40,7 +40,8 @@ class ChatSession:
     def generate(self, prompt: str, method: str | None = None, show: bool = True):
         method = method or self.method
         res = self.dw.generate(prompt, _params(self.args), method=method, gamma=self.gamma, chat=self.chat,
-                               drafter_options=tree_options(method, self.args.tree_width, self.args.heads))
+                               drafter_options=tree_options(method, self.args.tree_width, self.args.heads,
+                                                            self.args.lookahead))
         if show:
             render(res, self.dw.tokenizer, self.console, colour=self.colour)
             self.console.print(f"[dim]{escape(summary_line(res))}[/]{LEGEND if self.colour else ''}")
@@ -142,5 +143,6 @@ def run_chat(args) -> int:
     _params(args)
     _setup_threads(args)
     console = Console(highlight=False)
-    dw = SpeculativeDecoder(args.target, args.draft, dtype=args.dtype, backend=args.backend)
+    dw = SpeculativeDecoder(args.target, args.draft, dtype=args.dtype, backend=args.backend,
+                            skip_layers=args.skip_layers)
     return ChatSession(dw, args, console).loop()

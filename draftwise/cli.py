@@ -15,6 +15,7 @@ import os
 import sys
 
 from .api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, METHODS, TREE_WIDTH, tree_options
+from .drafters.suffix import MAX_NODES as SUFFIX_NODES
 from .errors import DraftwiseError, InvalidParameterError
 from .serve import cli as serve_cli
 
@@ -48,6 +49,19 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="native", choices=["native", "hf"],
                    help="native PyTorch Llama/Qwen2 (default) or any HF AutoModelForCausalLM")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--skip-layers", type=_skip_layers, default=None, metavar="LAYERS",
+                   help="--method layerskip: the target's layers its drafts skip, e.g. 3,5,7-12 (default: the "
+                        "set calibrated once for the target and cached in $DRAFTWISE_HOME/layerskip)")
+
+
+def _skip_layers(s: str) -> str:
+    from .drafters.layerskip import parse_skip_layers
+
+    try:
+        parse_skip_layers(s, 1 << 20)  # the syntax now; the range once the target is loaded
+    except InvalidParameterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
 
 
 def _sampling_args(p: argparse.ArgumentParser, methods=METHODS) -> None:
@@ -61,8 +75,11 @@ def _sampling_args(p: argparse.ArgumentParser, methods=METHODS) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--tree-width", type=serve_cli.positive_int, default=TREE_WIDTH,
-                   help=f"branches of the *-tree methods' token trees (default {TREE_WIDTH})")
+    p.add_argument("--tree-width", type=serve_cli.positive_int, default=None,
+                   help=f"branches of the *-tree methods' token trees (default {TREE_WIDTH}); suffix: nodes "
+                        f"of its tree (default {SUFFIX_NODES})")
+    p.add_argument("--lookahead", type=serve_cli.lookahead_spec, default=None, metavar="W,N,G",
+                   help=serve_cli.lookahead_help())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,10 +184,11 @@ def cmd_generate(args) -> int:
     from .api import SpeculativeDecoder, uses_draft_model
 
     dw = SpeculativeDecoder(args.target, args.draft if uses_draft_model(args.method) else None, dtype=args.dtype,
-                            draft_dtype=args.draft_dtype, backend=args.backend, progress=not args.json)
+                            draft_dtype=args.draft_dtype, backend=args.backend, progress=not args.json,
+                            skip_layers=args.skip_layers)
     result = dw.generate(args.prompt, params, method=args.method, gamma=args.gamma, chat=args.chat,
                          num_beams=args.num_beams, length_penalty=args.length_penalty,
-                         drafter_options=tree_options(args.method, args.tree_width, args.heads))
+                         drafter_options=tree_options(args.method, args.tree_width, args.heads, args.lookahead))
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
         return 0

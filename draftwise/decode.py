@@ -11,6 +11,8 @@ Token trees go through the same step: the drafter returns a tree (``Draft.parent
 [last token, nodes...] with a tree attention mask (each node sees the cached prefix and its ancestors, at
 position prefix + depth), and after verification the accepted path's entries are moved to contiguous
 slots (``KVCache.keep_path``) — a chain needs no move. A batch mixes chains and trees freely.
+A drafter with ``wants_all_logits`` also gets, in ``accept``, the draft as fed and the target's logits
+after every one of its nodes (lookahead decoding learns from the nodes off the accepted path).
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ class Decoder:
         self.detokenize = detokenize  # ids -> text, needed for stop strings
         self.capacity = capacity or target.config.max_context
         self.cache = target.new_cache(rows, self.capacity)
+        if hasattr(drafter, "bind_target_cache"):  # a drafter that drafts with the target itself (layerskip)
+            drafter.bind_target_cache(self.cache)
         self.running: list[Sequence] = []
 
     @property
@@ -205,8 +209,11 @@ class Decoder:
                 self._append(s, r.tokens, kinds)
                 if self.drafter is not None and not s.finished:
                     rows = [0] + [j + 1 for j in r.nodes]
+                    # a drafter that learns from every node it had fed, not only the accepted path (lookahead)
+                    every = {"draft": d, "all_logits": logits[i, :1 + len(d.tokens)]} \
+                        if getattr(self.drafter, "wants_all_logits", False) else {}
                     self.drafter.accept(s, n_before[i], r.num_accepted, logits[i, rows], path=r.nodes,
-                                        hidden=out.hidden[i, rows])
+                                        hidden=out.hidden[i, rows], **every)
             except Exception as e:
                 self._fail(s, e)
         t3 = time.perf_counter()

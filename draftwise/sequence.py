@@ -28,6 +28,7 @@ class GenerationStats:
     verify_s: float = 0.0
     wall_s: float = 0.0
     gammas: list[int] = field(default_factory=list)  # draft length asked for at each step
+    choices: dict[str, int] = field(default_factory=dict)  # method auto: steps per drafter chosen ("none": ar)
 
     @property
     def acceptance_rate(self) -> float:
@@ -71,6 +72,7 @@ class GenerationStats:
             "target_passes": self.target_passes,
             "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in
                                        zip(self.accepted_by_position, self.drafted_by_position)],
+            **({"choices": dict(self.choices)} if self.choices else {}),
         }
 
 

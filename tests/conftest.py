@@ -79,7 +79,8 @@ def _byte_level_tokenizer(folder: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(folder))
 
 
-def make_hf_folder(folder: Path, vocab_size: int = 300, seed: int = 0, max_context: int = 256) -> Path:
+def make_hf_folder(folder: Path, vocab_size: int = 300, seed: int = 0, max_context: int = 256,
+                   num_layers: int = TINY.num_layers) -> Path:
     """A tiny random Llama saved the way HF saves models: config.json + safetensors + tokenizer."""
     from safetensors.torch import save_file
 
@@ -88,7 +89,7 @@ def make_hf_folder(folder: Path, vocab_size: int = 300, seed: int = 0, max_conte
     from transformers import AutoTokenizer
 
     n_vocab = len(AutoTokenizer.from_pretrained(str(folder)))
-    cfg = ModelConfig(**{**TINY.to_dict(), "vocab_size": n_vocab, "max_context": max_context})
+    cfg = ModelConfig(**{**TINY.to_dict(), "vocab_size": n_vocab, "max_context": max_context, "num_layers": num_layers})
     m = random_model(cfg, seed=seed)
     sd = {"model.embed_tokens.weight": m.embed.weight, "model.norm.weight": m.norm.weight,
           "lm_head.weight": m.lm_head.weight}

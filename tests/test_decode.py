@@ -168,20 +168,28 @@ def test_bad_input(tiny_target):
         FixedGamma(0)
 
 
-def _first_two_tokens_exact(model, prompt, params):
-    """Exact joint distribution of the next two tokens under the target (by enumeration)."""
+def exact_joint(model, prompt, params, n: int = 3) -> torch.Tensor:
+    """Exact joint distribution (V,) * n of the first ``n`` output tokens under the target (enumeration)."""
     from draftwise.sampling import logits_to_probs
 
     cache = model.new_cache(1, 64)
     l0 = model.forward(torch.tensor([prompt]), cache, logits_for="last").logits[0, -1]
-    p0 = logits_to_probs(l0, params)
-    V = p0.shape[0]
-    joint = torch.zeros(V, V)
-    n = cache.length()
-    for t in torch.nonzero(p0 > 0).flatten().tolist():
-        cache.set_lengths(n)
-        l1 = model.forward(torch.tensor([[t]]), cache).logits[0, -1]
-        joint[t] = p0[t] * logits_to_probs(l1, params)
+    p0 = logits_to_probs(l0, params)  # (V,)
+    if n == 1:
+        return p0
+    V, base = p0.shape[0], cache.length()
+    joint = torch.zeros((V,) * n)
+
+    def grow(prefix: list[int], prob: torch.Tensor) -> None:  # prob: (V,) of the next token after prefix
+        for t in torch.nonzero(prob > 0).flatten().tolist():
+            if len(prefix) + 1 == n:
+                joint[tuple(prefix + [t])] = prob[t]
+                continue
+            cache.set_lengths(base)
+            logits = model.forward(torch.tensor([prefix + [t]]), cache).logits[0, -1]
+            grow(prefix + [t], prob[t] * logits_to_probs(logits, params))
+
+    grow([], p0)
     return joint
 
 
@@ -189,7 +197,8 @@ def _first_two_tokens_exact(model, prompt, params):
 @pytest.mark.parametrize("method", ["draft", "nasd"])
 def test_sampled_output_distribution_matches_target(method):
     """Speculative sampling end to end (model + cache + rollback): the joint distribution of the first
-    two output tokens matches the target's exact one (chi-square at a fixed seed)."""
+    three output tokens (the second and third from a speculative step) matches the target's exact one
+    (chi-square at a fixed seed)."""
     from draftwise.models.transformer import random_model
     from tests.conftest import TINY, perturbed
 
@@ -197,27 +206,33 @@ def test_sampled_output_distribution_matches_target(method):
     target = random_model(cfg, seed=11)
     draft = perturbed(target, 0.8, seed=12)
     prompt = [1, 2, 3]
-    params = SamplingParams(temperature=1.0, max_tokens=2, seed=None)
-    exact = _first_two_tokens_exact(target, prompt, params)
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=None)
+    exact = exact_joint(target, prompt, params)
     dec_drafter = DraftModelDrafter(draft, 1, 64) if method == "draft" else NASDDrafter()
     dec = Decoder(target, dec_drafter, FixedGamma(3), rows=1, capacity=64)
     g = torch.Generator().manual_seed(2024)
     seqs = (Sequence(prompt, params, generator=torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=g))))
             for _ in range(3000))
-    assert first_two_tokens_pvalue(dec, seqs, exact) > 1e-3
+    assert joint_pvalue(dec, seqs, exact) > 1e-3
 
 
-def first_two_tokens_pvalue(dec: Decoder, seqs, exact: torch.Tensor) -> float:
-    """Decode each sequence (2 tokens) alone; chi-square p-value of the (first, second) token counts
-    against the exact (V, V) joint distribution (cells expected >= 5 times)."""
+def joint_pvalue(dec: Decoder, seqs, exact: torch.Tensor) -> float:
+    """Decode each sequence alone; chi-square p-value of its first n output tokens' counts against the
+    exact joint distribution ``exact`` (V,) * n (cells expected >= 5 times). The first token comes from
+    the prefill, so the sequences need max_tokens >= n + 1 for the later ones to come from speculative
+    steps (a step drafts at most remaining - 1 tokens); asserts that drafts were really verified."""
+    n = exact.dim()
     counts = torch.zeros_like(exact)
+    drafted = 0
     for seq in seqs:
         dec.run([seq])
-        a, b = seq.output_ids
-        counts[a, b] += 1
-    n = float(counts.sum())
-    mask = exact.flatten() * n >= 5
-    obs, exp = counts.flatten()[mask], exact.flatten()[mask] * n
+        assert seq.num_output >= n, "max_tokens must be at least the number of tokens compared"
+        counts[tuple(seq.output_ids[:n])] += 1
+        drafted += seq.stats.drafted
+    assert drafted > 0, "nothing was drafted: the test would only check plain sampling"
+    total = float(counts.sum())
+    mask = exact.flatten() * total >= 5
+    obs, exp = counts.flatten()[mask], exact.flatten()[mask] * total
     exp = exp * obs.sum() / exp.sum()
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
@@ -301,7 +316,7 @@ def test_second_branch_accepted_and_cache_compacted(tiny_target):
 @pytest.mark.parametrize("method", ["draft", "nasd", "pld"])
 def test_sampled_tree_output_distribution_matches_target(method):
     """Sampling with token trees end to end (multi-branch rejection sampling, tree attention, path
-    compaction): the joint of the first two output tokens is the target's."""
+    compaction): the joint of the first three output tokens is the target's."""
     from draftwise.models.transformer import random_model
     from tests.conftest import TINY, perturbed
 
@@ -309,15 +324,15 @@ def test_sampled_tree_output_distribution_matches_target(method):
     target = random_model(cfg, seed=11)
     draft = perturbed(target, 0.8, seed=12)
     prompt = [1, 2, 3, 1, 2, 4, 1, 2]
-    params = SamplingParams(temperature=1.0, max_tokens=2, seed=None)
-    exact = _first_two_tokens_exact(target, prompt, params)
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=None)
+    exact = exact_joint(target, prompt, params)
     drafter = {"draft": lambda: DraftModelDrafter(draft, 1, 64, branches=3),
                "nasd": lambda: NASDDrafter(branches=3), "pld": lambda: PromptLookupDrafter(branches=3)}[method]()
     dec = Decoder(target, drafter, FixedGamma(3), rows=1, capacity=64)
     g = torch.Generator().manual_seed(77)
     seqs = (Sequence(prompt, params, generator=torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=g))))
-            for _ in range(3000))
-    assert first_two_tokens_pvalue(dec, seqs, exact) > 1e-3
+            for _ in range(6000))
+    assert joint_pvalue(dec, seqs, exact) > 1e-3
 
 
 def test_tree_bad_branches(tiny_draft):

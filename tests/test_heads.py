@@ -14,7 +14,7 @@ from draftwise.sampling import SamplingParams
 from draftwise.sequence import Sequence
 from draftwise.train_head import corpus_files, head_targets, train_medusa
 from tests.conftest import TINY_QWEN
-from tests.test_decode import PROMPTS, _first_two_tokens_exact, first_two_tokens_pvalue, run
+from tests.test_decode import PROMPTS, exact_joint, joint_pvalue, run
 
 
 class ByteTokenizer:
@@ -72,13 +72,13 @@ def test_medusa_sampled_distribution_matches_target():
     with torch.no_grad():
         heads.out.weight.copy_(target.lm_head.weight)
     prompt = [1, 2, 3]
-    params = SamplingParams(temperature=1.0, max_tokens=2)
-    exact = _first_two_tokens_exact(target, prompt, params)
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    exact = exact_joint(target, prompt, params)
     dec = Decoder(target, MedusaDrafter(heads.for_inference(), branches=3), FixedGamma(2), rows=1, capacity=64)
     g = torch.Generator().manual_seed(5)
     seqs = (Sequence(prompt, params, generator=torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=g))))
             for _ in range(3000))
-    assert first_two_tokens_pvalue(dec, seqs, exact) > 1e-3
+    assert joint_pvalue(dec, seqs, exact) > 1e-3
 
 
 def test_train_save_load_and_target_check(tiny_target, tmp_path):

@@ -70,11 +70,11 @@ def test_seeded_sampling_equals_seeded_plain_for_every_gamma(smol_pair, method):
 
 @pytest.mark.statistical
 def test_sampled_draft_matches_target_distribution(smol_pair):
-    """Joint distribution of two sampled tokens (top_k=3 keeps 9 cells) under speculative sampling
-    with a real draft model vs the target's exact distribution."""
+    """Joint distribution of the first three sampled tokens (top_k=3 keeps 27 cells; the second and
+    third come from a speculative step) with a real draft model vs the target's exact distribution."""
     from draftwise.sampling import logits_to_probs
 
-    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=2)
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=4)
     tm = smol_pair.target.model
     ids = smol_pair.tokenizer.encode("My favourite animal is the")
     cache = tm.new_cache(1, 64)
@@ -85,13 +85,18 @@ def test_sampled_draft_matches_target_distribution(smol_pair):
         cache.set_lengths(n0)
         p1 = logits_to_probs(tm.forward(torch.tensor([[t]]), cache).logits[0, -1], params)
         for u in torch.nonzero(p1).flatten().tolist():
-            exact[(t, u)] = float(p0[t] * p1[u])
+            cache.set_lengths(n0)
+            p2 = logits_to_probs(tm.forward(torch.tensor([[t, u]]), cache).logits[0, -1], params)
+            for v in torch.nonzero(p2).flatten().tolist():
+                exact[(t, u, v)] = float(p0[t] * p1[u] * p2[v])
     counts = {k: 0 for k in exact}
-    n = 400
+    n, drafted = 400, 0
     for i in range(n):
-        r = smol_pair.generate(ids, SamplingParams(temperature=1.0, top_k=3, max_tokens=2, seed=1000 + i),
+        r = smol_pair.generate(ids, SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=1000 + i),
                                method="draft", gamma=2)
-        counts[tuple(r.token_ids)] += 1
+        counts[tuple(r.token_ids[:3])] += 1
+        drafted += r.stats.drafted
+    assert drafted > 0
     keys = [k for k in exact if exact[k] * n >= 5]
     obs = [counts[k] for k in keys]
     exp = [exact[k] * n for k in keys]

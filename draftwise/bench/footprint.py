@@ -78,7 +78,8 @@ def measure(methods: list[str], cfg, ids: list[int], llama_ctx: int | None, eos_
             spec = {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "draft_dtype": cfg.draft_dtype,
                     "backend": cfg.backend, "method": m, "gamma": cfg.gamma, "ids": ids,
                     "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
-                    "num_beams": cfg.num_beams, "length_penalty": cfg.length_penalty}
+                    "num_beams": cfg.num_beams, "length_penalty": cfg.length_penalty,
+                    "skip_layers": getattr(cfg, "skip_layers", None)}
             out[m] = run_child([sys.executable, "-m", "draftwise.bench.footprint", "own", json.dumps(spec)])
     return out
 
@@ -91,7 +92,7 @@ def _own_child(spec: dict) -> dict:
     t_import = time.perf_counter() - t0
     t1 = time.perf_counter()
     dw = SpeculativeDecoder(spec["target"], spec["draft"], dtype=spec["dtype"], draft_dtype=spec["draft_dtype"],
-                            backend=spec["backend"], progress=False)
+                            backend=spec["backend"], progress=False, skip_layers=spec.get("skip_layers"))
     if uses_draft_model(spec["method"]):
         dw.draft  # noqa: B018  (the draft model loads lazily: count it in the load)
     load = time.perf_counter() - t1

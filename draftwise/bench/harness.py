@@ -27,7 +27,8 @@ from . import report
 from .llama_peers import LLAMA_PEERS, LlamaPeers, context_size, require_llama_cpp
 from .peers import PEERS
 from .prompts import Prompt, load_prompts
-from ..serve.cli import positive_int
+from ..drafters.suffix import MAX_NODES as SUFFIX_NODES
+from ..serve.cli import lookahead_help, lookahead_spec, positive_int
 from .roofline import measure_bandwidth, roofline
 
 
@@ -86,8 +87,10 @@ class BenchConfig:
     bandwidth_gib: float = 0.5  # 0: skip the roofline measurement
     footprint: bool = True  # peak RSS and load time per method, each in a fresh process
     num_beams: int = 4  # method "beam"
-    tree_width: int = TREE_WIDTH  # the *-tree methods' branches
+    tree_width: int | None = None  # the *-tree methods' branches (None: TREE_WIDTH), suffix's nodes
     heads: str | None = None  # draft heads folder (method medusa)
+    lookahead: str | None = None  # method lookahead's "W,N,G" (None: its defaults)
+    skip_layers: str | None = None  # method layerskip: the layers skipped (None: the calibrated set)
     length_penalty: float = 1.0
     out: str = "bench-out"
 
@@ -124,7 +127,7 @@ class Runner:
             require_llama_cpp(llama)
         # the draft model is loaded lazily, by the first method that drafts with it (during warm-up)
         self.dw = SpeculativeDecoder(cfg.target, cfg.draft, dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
-                                     backend=cfg.backend, progress=progress)
+                                     backend=cfg.backend, progress=progress, skip_layers=cfg.skip_layers)
         self.peers = None
         if peers:  # loaded once, only when asked for
             from ..models import peer_dtype
@@ -167,7 +170,8 @@ class Runner:
             try:
                 res = self.dw.generate(ids, params, method=method, gamma=self.cfg.gamma,
                                        num_beams=self.cfg.num_beams, length_penalty=self.cfg.length_penalty,
-                                       drafter_options=tree_options(method, self.cfg.tree_width, self.cfg.heads))
+                                       drafter_options=tree_options(method, self.cfg.tree_width, self.cfg.heads,
+                                                                    self.cfg.lookahead))
             except (AttributeError, TypeError) as e:
                 if isinstance(self.cfg.gamma, str):  # a policy name this engine does not know yet
                     raise InvalidParameterError(f"gamma {self.cfg.gamma!r} is not supported by this engine "
@@ -244,6 +248,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
             bar.update(task, description=f"warm-up {m}")
             runner.run(m, work[0][1], max_tokens=min(cfg.warmup_tokens, cfg.max_tokens))
             bar.advance(task)
+        runner.dw.suffix_cache.clear()  # the warm-up's output must not draft the first prompt's timed run
         try:
             for i, (p, ids) in enumerate(work):
                 order = methods[i % len(methods):] + methods[:i % len(methods)]
@@ -318,8 +323,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-footprint", dest="footprint", action="store_false",
                    help="skip the per-method peak RSS / load time measurement (a fresh process per method)")
     p.add_argument("--num-beams", type=int, default=4, help="beams of method beam (default 4)")
-    p.add_argument("--tree-width", type=positive_int, default=TREE_WIDTH,
-                   help=f"branches of the *-tree methods' token trees (default {TREE_WIDTH})")
+    p.add_argument("--tree-width", type=positive_int, default=None,
+                   help=f"branches of the *-tree methods' token trees (default {TREE_WIDTH}); suffix: nodes "
+                        f"of its tree (default {SUFFIX_NODES})")
+    p.add_argument("--lookahead", type=lookahead_spec, default=None, metavar="W,N,G", help=lookahead_help())
     p.add_argument("--length-penalty", type=float, default=1.0, help="length penalty of method beam (default 1.0)")
     p.add_argument("--out", default="bench-out", help="output folder (default bench-out)")
 
@@ -333,7 +340,7 @@ def config_from_args(args) -> BenchConfig:
                        limit=args.limit, max_tokens=args.max_tokens, chat=args.chat, temperature=args.temperature,
                        seed=args.seed, warmup_tokens=args.warmup_tokens, bandwidth_gib=args.bandwidth_gib,
                        footprint=args.footprint, num_beams=args.num_beams, length_penalty=args.length_penalty,
-                       tree_width=args.tree_width, heads=args.heads,
+                       tree_width=args.tree_width, heads=args.heads, lookahead=args.lookahead, skip_layers=args.skip_layers,
                        out=args.out)
 
 

@@ -13,6 +13,14 @@ knows nothing else about them.
 - ``release(seq)``: the sequence left the batch.
 - ``move_row(src, dst)``: the engine compacted its batch; per-row resources follow (cache rows).
 
+Optional: ``bind_target_cache(cache)`` — a drafter that drafts with the target's own layers
+(drafters/layerskip.py) is handed the decoder's target KV cache once, when the ``Decoder`` is built. It may
+write only at or past each row's length, and must leave the lengths as it found them.
+
+Optional: ``wants_all_logits = True`` — ``accept`` also gets ``draft`` (the draft as fed, after the loop cut
+it to depth and room) and ``all_logits`` (1 + len(draft.tokens), V): the target's scores after the root and
+after every node, accepted or not (drafters/lookahead.py iterates its Jacobi window on them).
+
 Per-sequence state lives on the sequence (``seq.drafter_state``), shared resources (a draft model) on the
 drafter, so a sequence can be forked per branch without touching the drafter.
 """

@@ -206,8 +206,12 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *, positions: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all") -> ModelOutput:
+                attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all",
+                layers: tuple[int, ...] | None = None) -> ModelOutput:
         # input_ids: (B, T) new tokens of cache rows 0..B-1; attn_mask: (B, T, T) bool or None (causal)
+        # layers: indices of the decoder layers to run, increasing (None: all). A skipped layer passes the
+        # hidden state through unchanged and its cache entries are not written (layer-skip drafting:
+        # drafters/layerskip.py); the final norm and LM head always run.
         B, T = input_ids.shape
         start = cache.lengths[:B].tolist()
         if max(start) + T > cache.capacity:
@@ -218,7 +222,8 @@ class Transformer(nn.Module):
         tree = TreeMask(attn_mask) if attn_mask is not None else None
         h = self.embed(input_ids)  # (B, T, D)
         with bulk(T > EXACT_MAX_T):  # a long prefill: GEMM path (never compared token for token)
-            for i, layer in enumerate(self.layers):
+            for i in range(len(self.layers)) if layers is None else layers:
+                layer = self.layers[i]
                 h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree)
                 h = h + layer.mlp(layer.mlp_norm(h))
         cache.lengths[:B] += T

@@ -12,6 +12,7 @@ import os
 import sys
 
 from ..api import TREE_WIDTH, tree_options
+from ..drafters.suffix import MAX_NODES as SUFFIX_NODES
 from ..errors import DraftwiseError, InvalidParameterError
 
 COMMANDS = ("serve", "bench-serve")
@@ -25,6 +26,24 @@ def positive_int(s: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
     return v
+
+
+def lookahead_spec(s: str) -> str:
+    """argparse type of ``--lookahead W,N,G`` (checked now, parsed into drafter options by tree_options)."""
+    from ..drafters.lookahead import parse_lookahead
+
+    try:
+        parse_lookahead(s)
+    except InvalidParameterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
+def lookahead_help() -> str:
+    from ..drafters.lookahead import GUESSES, NGRAM, WINDOW
+
+    return (f"--method lookahead: Jacobi window W, n-gram size N, n-grams verified per step G (default "
+            f"{WINDOW},{NGRAM},{GUESSES}); a step feeds (W+G)(N-1) tokens")
 
 
 def _int_list(s: str) -> list[int]:
@@ -51,10 +70,12 @@ def _engine_args(p: argparse.ArgumentParser, methods) -> None:
                    help="context per sequence, prompt + output (default: the model's, at most 4096)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a free row; more are refused with 503 (default 64)")
-    p.add_argument("--tree-width", type=positive_int, default=TREE_WIDTH,
-                   help=f"branches of a *-tree method's token trees (default {TREE_WIDTH})")
+    p.add_argument("--tree-width", type=positive_int, default=None,
+                   help=f"branches of a *-tree method's token trees (default {TREE_WIDTH}); suffix: nodes of "
+                        f"its tree (default {SUFFIX_NODES})")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=2048,
                    help="prompt tokens prefilled between two decode steps (default 2048)")
+    p.add_argument("--lookahead", type=lookahead_spec, default=None, metavar="W,N,G", help=lookahead_help())
 
 
 def add_parsers(sub, model_args, methods) -> None:
@@ -103,7 +124,7 @@ def engine_config(args):
     return EngineConfig(method=args.method, gamma=args.gamma, gamma_policy=args.gamma_policy,
                         kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch, max_model_len=args.max_model_len,
                         max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
-                        drafter_options=tree_options(args.method, args.tree_width, args.heads))
+                        drafter_options=tree_options(args.method, args.tree_width, args.heads, args.lookahead))
 
 
 def load(args, method: str):
@@ -112,7 +133,7 @@ def load(args, method: str):
 
     _setup_threads(args)
     return SpeculativeDecoder(args.target, args.draft if uses_draft_model(method) else None, dtype=args.dtype,
-                              draft_dtype=args.draft_dtype, backend=args.backend)
+                              draft_dtype=args.draft_dtype, backend=args.backend, skip_layers=args.skip_layers)
 
 
 def cmd_serve(args) -> int:

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from ..api import METHODS, SpeculativeDecoder, output_text, uses_draft_model
+from ..api import AUTO, LOOKAHEAD, METHODS, SpeculativeDecoder, output_text, uses_draft_model
 from ..decode import Decoder, FixedGamma, GammaPolicy
 from ..drafters.base import Draft, Drafter
 from ..errors import DraftwiseError, InvalidParameterError
@@ -167,9 +167,13 @@ class ServeDrafter:
             self.inner.propose(seqs, [1] * len(seqs))
         return [Draft([]) for _ in seqs]
 
-    def accept(self, seq, n_before, num_accepted, target_logits, *, path=None, hidden=None) -> None:
+    @property
+    def wants_all_logits(self) -> bool:  # lookahead: the target's logits at every node fed
+        return getattr(self.inner, "wants_all_logits", False)
+
+    def accept(self, seq, n_before, num_accepted, target_logits, *, path=None, hidden=None, **every) -> None:
         if seq.attached:
-            self.inner.accept(seq, n_before, num_accepted, target_logits, path=path, hidden=hidden)
+            self.inner.accept(seq, n_before, num_accepted, target_logits, path=path, hidden=hidden, **every)
 
     def release(self, seq: Sequence) -> None:
         if seq.attached:
@@ -178,6 +182,10 @@ class ServeDrafter:
 
     def move_row(self, src: int, dst: int) -> None:
         self.inner.move_row(src, dst)
+
+    def bind_target_cache(self, cache) -> None:
+        if hasattr(self.inner, "bind_target_cache"):  # layerskip drafts in the target's own cache
+            self.inner.bind_target_cache(cache)
 
 
 @dataclass
@@ -253,7 +261,8 @@ class Engine:
         self._off_steps = 0  # consecutive steps the policy found speculation not paying
 
     def _make_policy(self) -> GammaPolicy:
-        if self.cfg.gamma_policy == "fixed":
+        # auto chooses each row's depth itself; lookahead's window must be fed at every step (W, N, G size it)
+        if self.cfg.gamma_policy == "fixed" or self.method in (AUTO, LOOKAHEAD):
             return FixedGamma(self.cfg.gamma)
         policy = AdaptiveGamma(self.cfg.gamma, explore_every=DRAFTER_SYNC_STEPS, cap=lambda s: s.gamma_cap,
                                ready=lambda seqs: self.drafter is not None and self.drafter.ready(seqs))

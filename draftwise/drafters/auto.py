@@ -1,0 +1,248 @@
+"""``--method auto``: at every step, for every sequence, the drafter (or none) that maximises expected
+tokens per second — chosen among several drafters from a measured cost model and each drafter's running
+acceptance on *this* request, so a request lands on the method that suits it without being told.
+
+Children are ordinary drafters behind the same protocol, of two kinds:
+
+- **free** (prompt lookup, NASD, suffix, …): deterministic and cheap (a table look-up). Every free child
+  proposes at every step; only the chosen proposal is verified, but all of them are scored afterwards
+  against the tokens the target really emitted (a deterministic draft token x is accepted with probability
+  p(x), the chance that the target's own token is x: matching the emitted tokens is an unbiased estimate,
+  greedy or sampled). So the free children's acceptance is measured at every step at no cost.
+- **costly** (a draft model): a proposal costs forwards of another model, so it is only made when chosen.
+  Its acceptance is measured when it runs; before that an optimistic prior (and the pooled estimate from
+  earlier requests) lets it be tried. Started lazily: its cache is filled the first time it is chosen.
+
+The choice, per sequence and step, over options o = (child, depth j) and "none":
+
+    rate(o) = (1 + A_o(j)) / (C(T_o) + j · c_child)        A(j) = Σ_{l=1..j} α^l
+    rate(none) = 1 / C(1)
+
+C(T) is the measured batch-1 target pass over T new tokens (T = 1 + the nodes fed), c_child a costly
+child's seconds per drafted token, α the child's decayed acceptance: accepted positions / positions tried
+(up to the first miss; positions past the emitted tokens are unknown and not counted). On a CPU where
+verifying k tokens costs nearly k passes (AVX2), "none" wins unless acceptance is high; where a pass over
+32 tokens costs what one costs (AMX), long drafts win — the same rule, measured.
+
+Per-sequence child states live in this drafter's own state on the sequence and are swapped into
+``seq.drafter_state`` around each child call, so children stay unaware of each other. Output is the
+target's whatever is chosen (every draft is verified as usual): the choice moves speed only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import InvalidParameterError
+from ..sequence import Sequence
+from .base import Draft, Drafter
+
+NONE = "none"  # the option of drafting nothing this step (plain decoding)
+
+
+@dataclass
+class Arm:
+    """Decayed acceptance counts of one child: α = accepted / tried, π = proposed / asked."""
+
+    accepted: float
+    tried: float
+    proposed: float = 1.0
+    asked: float = 1.0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tried if self.tried > 0 else 0.0
+
+    @property
+    def pi(self) -> float:
+        return self.proposed / self.asked if self.asked > 0 else 1.0
+
+    def update(self, accepted: int, tried: int, proposed: bool, decay: float) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.tried = decay * self.tried + tried
+        self.proposed = decay * self.proposed + float(proposed)
+        self.asked = decay * self.asked + 1.0
+
+
+@dataclass
+class _State:
+    states: dict[str, object] = field(default_factory=dict)  # child -> its drafter_state for this sequence
+    started: set[str] = field(default_factory=set)
+    arms: dict[str, Arm] = field(default_factory=dict)
+    proposals: dict[str, Draft] = field(default_factory=dict)  # this step's proposals, scored in accept
+    chosen: str = NONE
+
+
+def matched_depth(draft: Draft, emitted: list[int]) -> tuple[int, int]:
+    """(accepted, tried) had ``draft`` been verified and the target emitted ``emitted`` (its accepted
+    tokens then its own): the deepest path of ``draft`` agreeing with ``emitted``; tried counts the
+    positions up to the first miss, not those past what was emitted (unknown)."""
+    parents = draft.parents if draft.parents is not None else list(range(-1, len(draft.tokens) - 1))
+    node, depth = -1, 0
+    while depth < len(emitted):
+        nxt = next((i for i, (t, q) in enumerate(zip(draft.tokens, parents)) if q == node and t == emitted[depth]), None)
+        if nxt is None:
+            has_child = any(q == node for q in parents)
+            return depth, depth + int(has_child)
+        node, depth = nxt, depth + 1
+    return depth, depth
+
+
+def expected_accepted(alpha: float, j: int) -> float:
+    return sum(alpha ** i for i in range(1, j + 1))
+
+
+class AutoDrafter:
+    """Chooses, per sequence and step, among ``children`` (name -> drafter) and drafting nothing.
+
+    ``pass_cost(T)``: seconds of a batch-1 target pass over T new tokens. ``draft_cost``: seconds per
+    drafted token of each costly child (children not named there are free). ``pooled``: arms shared
+    across requests (the prior of a new request: what this process has seen). ``stats``: per child, how
+    often it was chosen (read by the CLI / bench)."""
+
+    name = "auto"
+
+    def __init__(self, children: dict[str, Drafter], pass_cost: Callable[[int], float], *,
+                 draft_cost: dict[str, float] | None = None, pooled: dict[str, Arm] | None = None,
+                 decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 3.0,
+                 max_nodes: int = 31):
+        if not children:
+            raise InvalidParameterError("method 'auto' needs at least one drafter to choose from")
+        self.children = children
+        self.pass_cost = pass_cost
+        self.draft_cost = dict(draft_cost or {})
+        unknown = set(self.draft_cost) - set(children)
+        if unknown:
+            raise InvalidParameterError(f"draft costs for drafters auto does not have: {sorted(unknown)}")
+        self.free = [n for n in children if n not in self.draft_cost]
+        self.costly = [n for n in children if n in self.draft_cost]
+        self.pooled = pooled if pooled is not None else {}
+        self.decay, self.prior_alpha, self.prior_weight = decay, prior_alpha, prior_weight
+        self.max_nodes = max_nodes
+        self.chosen: dict[str, int] = {NONE: 0, **{n: 0 for n in children}}  # steps per choice
+
+    # ---- child plumbing ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _as(self, seqs: list[Sequence], name: str):
+        """Swap each sequence's state for child ``name`` into ``seq.drafter_state`` (and back)."""
+        mine = [s.drafter_state for s in seqs]
+        for s, st in zip(seqs, mine):
+            s.drafter_state = st.states.get(name)
+        try:
+            yield
+        finally:
+            for s, st in zip(seqs, mine):
+                st.states[name] = s.drafter_state
+                s.drafter_state = st
+
+    def _start_child(self, seq: Sequence, name: str, hidden: torch.Tensor | None) -> None:
+        with self._as([seq], name):
+            self.children[name].start(seq, hidden=hidden)
+        seq.drafter_state.started.add(name)
+
+    def _prior(self, name: str) -> Arm:
+        pooled = self.pooled.get(name)
+        alpha = pooled.alpha if pooled is not None and pooled.tried > 0 else self.prior_alpha
+        return Arm(alpha * self.prior_weight, self.prior_weight)
+
+    # ---- protocol -------------------------------------------------------------------------------
+    def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
+        seq.drafter_state = _State(arms={n: self._prior(n) for n in self.children})
+        for name in self.free:  # costly children start the first time they are chosen
+            self._start_child(seq, name, hidden)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        proposals: dict[str, list[Draft]] = {}
+        for name in self.free:
+            with self._as(seqs, name):
+                proposals[name] = self.children[name].propose(seqs, ks)
+        drafts: list[Draft] = []
+        want: dict[str, list[int]] = {n: [0] * len(seqs) for n in self.costly}
+        for i, (s, k) in enumerate(zip(seqs, ks)):
+            st: _State = s.drafter_state
+            st.proposals = {n: proposals[n][i] for n in self.free}
+            name, depth = self._choose(st, k)
+            st.chosen = name
+            self.chosen[name] += 1
+            s.stats.choices[name] = s.stats.choices.get(name, 0) + 1
+            if name in self.costly:
+                want[name][i] = depth
+                drafts.append(Draft([]))  # filled below
+            elif name == NONE:
+                drafts.append(Draft([]))
+            else:
+                drafts.append(st.proposals[name].truncated(self.max_nodes, depth))
+        for name, depths in want.items():
+            rows = [i for i, d in enumerate(depths) if d > 0]
+            if not rows:
+                continue
+            # a costly child (a draft model) batches over the engine's rows: every row takes part (0 tokens
+            # for those that chose otherwise), so every row must have started it
+            for s in seqs:
+                if name not in s.drafter_state.started:
+                    self._start_child(s, name, None)
+            with self._as(seqs, name):
+                made = self.children[name].propose(seqs, depths)
+            for i in rows:
+                drafts[i] = made[i]
+                seqs[i].drafter_state.proposals[name] = made[i]
+        return drafts
+
+    def _choose(self, st: _State, k: int) -> tuple[str, int]:
+        best, best_rate = (NONE, 0), 1.0 / self.pass_cost(1)
+        if k <= 0:
+            return best
+        for name in self.free:
+            d = st.proposals[name]
+            if not d.tokens:
+                continue
+            alpha = st.arms[name].alpha
+            depths = d.depths()
+            for j in range(1, min(k, max(depths)) + 1):
+                nodes = sum(1 for x in depths[:self.max_nodes] if x <= j)
+                rate = (1.0 + expected_accepted(alpha, j)) / self.pass_cost(1 + nodes)
+                if rate > best_rate:
+                    best, best_rate = (name, j), rate
+        for name in self.costly:
+            arm = st.arms[name]
+            width = getattr(self.children[name], "branches", 1)
+            for j in range(1, k + 1):
+                nodes = min(j * width, self.max_nodes)
+                rate = (1.0 + arm.pi * expected_accepted(arm.alpha, j)) / (
+                    self.pass_cost(1 + nodes) + j * self.draft_cost[name])
+                if rate > best_rate:
+                    best, best_rate = (name, j), rate
+        return best
+
+    def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,
+               path: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+        st: _State = seq.drafter_state
+        emitted = seq.tokens[n_before:n_before + num_accepted + 1]
+        for name, d in st.proposals.items():  # score every proposal against what the target emitted
+            if name == st.chosen:
+                acc, tried = num_accepted, num_accepted + int(num_accepted < max(d.depths(), default=0))
+            else:
+                acc, tried = matched_depth(d, emitted)
+            for arm in (st.arms[name], self.pooled.setdefault(name, self._prior(name))):
+                arm.update(acc, tried, bool(d.tokens), self.decay)
+        st.proposals = {}
+        for name in list(st.started):
+            with self._as([seq], name):
+                self.children[name].accept(seq, n_before, num_accepted, target_logits,
+                                           path=path if name == st.chosen else None, hidden=hidden)
+
+    def release(self, seq: Sequence) -> None:
+        st = seq.drafter_state
+        if not isinstance(st, _State):
+            return
+        for name in list(st.started):
+            with self._as([seq], name):
+                self.children[name].release(seq)
+
+    def move_row(self, src: int, dst: int) -> None:
+        for child in self.children.values():
+            child.move_row(src, dst)

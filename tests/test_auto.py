@@ -1,0 +1,140 @@
+"""Method auto: the per-step choice among drafters (and none) follows the cost model and measured
+acceptance; whatever it chooses, greedy output equals plain decoding and sampled output has the target's
+distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftwise.decode import Decoder, FixedGamma
+from draftwise.drafters.auto import NONE, AutoDrafter, matched_depth
+from draftwise.drafters.base import Draft, StatelessDrafter
+from draftwise.drafters.draft_model import DraftModelDrafter
+from draftwise.drafters.nasd import NASDDrafter
+from draftwise.drafters.pld import PromptLookupDrafter
+from draftwise.errors import InvalidParameterError
+from draftwise.sampling import SamplingParams
+from draftwise.sequence import Sequence
+from tests.test_decode import CAP, PROMPTS, exact_joint, joint_pvalue, run
+
+
+def flat(T: int) -> float:  # a CPU where verifying many tokens costs what one costs (AMX)
+    return 1.0
+
+
+def linear(T: int) -> float:  # a CPU where every verified token costs a pass
+    return float(T)
+
+
+class Fixed(StatelessDrafter):
+    """Always proposes the same tokens (a bad drafter) or the target's reference continuation (a perfect one)."""
+
+    name = "fixed"
+
+    def __init__(self, reference: list[int] | None = None, token: int = 0):
+        self.ref, self.token = reference, token
+
+    def propose(self, seqs, ks):
+        if self.ref is None:
+            return [Draft([self.token] * k) for k in ks]
+        return [Draft(self.ref[len(s.tokens):len(s.tokens) + k]) for s, k in zip(seqs, ks)]
+
+
+def test_matched_depth_chain_tree_and_unknown_positions():
+    assert matched_depth(Draft([5, 6, 7]), [5, 6, 9]) == (2, 3)  # miss at the third
+    assert matched_depth(Draft([5, 6, 7]), [5, 6]) == (2, 2)  # third position not emitted: unknown
+    assert matched_depth(Draft([5, 6]), [5, 6, 7]) == (2, 2)  # the draft ended: nothing tried past it
+    assert matched_depth(Draft([4]), [5]) == (0, 1)
+    tree = Draft([1, 2, 3, 4], parents=[-1, -1, 1, 2])  # 1 | 2 -> 3 -> 4
+    assert matched_depth(tree, [2, 3, 8]) == (2, 3)
+    assert matched_depth(tree, [1, 9]) == (1, 1)  # node 1 has no child: nothing tried at depth 2
+    assert matched_depth(Draft([]), [3]) == (0, 0)
+
+
+def test_greedy_equals_plain_with_every_child_batched(tiny_target, tiny_draft):
+    params = SamplingParams(max_tokens=40)
+    ref = [s.output_ids for s in run(tiny_target, None, PROMPTS, params)]
+    for rows in (1, 3):
+        for cost in (flat, linear):
+            auto = AutoDrafter({"pld": PromptLookupDrafter(), "nasd": NASDDrafter(),
+                                "draft": DraftModelDrafter(tiny_draft, rows, CAP)}, cost, draft_cost={"draft": 0.01})
+            out = run(tiny_target, auto, PROMPTS, params, gamma=5, rows=rows)
+            assert [s.output_ids for s in out] == ref, (rows, cost.__name__)
+            if cost is flat:  # drafting is free: every child gets tried, the draft model included
+                assert auto.chosen["draft"] > 0 and auto.chosen["pld"] + auto.chosen["nasd"] > 0
+
+
+def test_chooses_by_cost_and_measured_acceptance(tiny_target):
+    params = SamplingParams(max_tokens=40)
+    ref = run(tiny_target, None, [PROMPTS[0]], params)[0]
+    full = list(PROMPTS[0]) + ref.output_ids
+    # a perfect drafter beside a useless one: auto learns which is which and drafts deep with the good one
+    auto = AutoDrafter({"bad": Fixed(token=(full[-1] + 1) % 64), "good": Fixed(reference=full)}, flat)
+    s = run(tiny_target, auto, [PROMPTS[0]], params, gamma=4)[0]
+    assert s.output_ids == ref.output_ids
+    assert auto.chosen["good"] > 3 * auto.chosen["bad"] and s.stats.mean_accepted_length > 3.5
+    assert s.stats.choices == {k: v for k, v in auto.chosen.items() if v}
+    # when every verified token costs a full pass, nothing beats plain decoding: auto drafts nothing
+    auto = AutoDrafter({"good": Fixed(reference=full)}, linear)
+    s = run(tiny_target, auto, [PROMPTS[0]], params, gamma=4)[0]
+    assert s.output_ids == ref.output_ids and s.stats.drafted == 0 and auto.chosen["good"] == 0 and auto.chosen[NONE] >= 38
+    # costs in between: a good drafter pays, a useless one is dropped after a few steps
+    auto = AutoDrafter({"bad": Fixed(token=0)}, lambda T: 1.0 + 0.2 * (T - 1))
+    s = run(tiny_target, auto, [PROMPTS[0]], params, gamma=4)[0]
+    assert auto.chosen[NONE] > 30 and s.output_ids == ref.output_ids
+
+
+def test_requests_share_what_earlier_ones_learned(tiny_target):
+    """A new request starts from the acceptance pooled over earlier ones (not from the prior)."""
+    auto = AutoDrafter({"bad": Fixed(token=0)}, lambda T: 1.0 + 0.25 * (T - 1), prior_alpha=0.9)
+    params = SamplingParams(max_tokens=20)
+    run(tiny_target, auto, [PROMPTS[0]], params, gamma=4)
+    first = auto.chosen["bad"]
+    run(tiny_target, auto, [PROMPTS[0]], params, gamma=4)
+    assert auto.pooled["bad"].alpha < 0.3 and auto.chosen["bad"] - first < first
+
+
+@pytest.mark.statistical
+def test_sampled_output_distribution_matches_target():
+    from draftwise.models.transformer import random_model
+    from tests.conftest import TINY, perturbed
+
+    cfg = TINY.__class__(**{**TINY.to_dict(), "vocab_size": 6})
+    target = random_model(cfg, seed=11)
+    draft = perturbed(target, 0.8, seed=12)
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2]
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=None)
+    exact = exact_joint(target, prompt, params)
+    auto = AutoDrafter({"pld": PromptLookupDrafter(), "nasd": NASDDrafter(), "draft": DraftModelDrafter(draft, 1, 64)},
+                       flat, draft_cost={"draft": 0.1})
+    dec = Decoder(target, auto, FixedGamma(3), rows=1, capacity=64)
+    g = torch.Generator().manual_seed(5)
+    seqs = (Sequence(prompt, params, generator=torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=g))))
+            for _ in range(3000))
+    assert joint_pvalue(dec, seqs, exact) > 1e-3
+    assert auto.chosen["draft"] > 0 and auto.chosen["pld"] + auto.chosen["nasd"] > 0  # both kinds verified
+
+
+def test_bad_input(tiny_target):
+    with pytest.raises(InvalidParameterError):
+        AutoDrafter({}, flat)
+    with pytest.raises(InvalidParameterError):
+        AutoDrafter({"pld": PromptLookupDrafter()}, flat, draft_cost={"draft": 1.0})
+
+
+def test_api_auto_method(hf_folder):
+    from draftwise import SpeculativeDecoder
+    from draftwise.gamma import AdaptiveGamma
+
+    dw = SpeculativeDecoder(str(hf_folder), draft=None, progress=False)
+    params = SamplingParams(max_tokens=24, temperature=0)
+    ref = dw.generate("hello hello hello", params, method="ar", gamma=4)
+    out = dw.generate("hello hello hello", params, method="auto")
+    assert out.token_ids == ref.token_ids and 0 < sum(out.stats.choices.values()) < out.stats.target_passes
+    assert set(out.stats.choices) <= {NONE, "pld", "nasd", "suffix"}  # no draft model was given
+    with pytest.raises(InvalidParameterError):
+        dw.generate("hi", params, method="auto", drafter_options={"methods": ["ar"]})
+    with pytest.raises(InvalidParameterError):
+        dw.generate("hi", params, method="auto", gamma=AdaptiveGamma(4))
+    assert dw.pass_cost(1) > 0 and dw.pass_cost(20) >= dw.pass_cost(1)
