@@ -323,5 +323,6 @@ def test_real_weights_greedy_equals_plain(smollm):
         for gamma in (3, "auto"):
             r = dw.generate(prompt, params, method="suffix", gamma=gamma)
             assert r.token_ids == ar.token_ids, (prompt, gamma)
-        taus.append(r.stats.mean_accepted_length)
+            if gamma == 3:  # the first suffix run of this prompt (the "auto" one already finds it cached)
+                taus.append(r.stats.mean_accepted_length)
     assert taus[3] > 2.0 and taus[3] > 1.5 * taus[0]
