@@ -222,11 +222,8 @@ class AutoDrafter:
                path: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
         st: _State = seq.drafter_state
         emitted = seq.tokens[n_before:n_before + num_accepted + 1]
-        for name, d in st.proposals.items():  # score every proposal against what the target emitted
-            if name == st.chosen:
-                acc, tried = num_accepted, num_accepted + int(num_accepted < max(d.depths(), default=0))
-            else:
-                acc, tried = matched_depth(d, emitted)
+        for name, d in st.proposals.items():  # score every proposal (the chosen one's whole, untruncated
+            acc, tried = matched_depth(d, emitted)  # form too) against what the target emitted
             for arm in (st.arms[name], self.pooled.setdefault(name, self._prior(name))):
                 arm.update(acc, tried, bool(d.tokens), self.decay)
         st.proposals = {}
