@@ -16,12 +16,13 @@ from .beam import beam_search
 from .decode import MAX_TREE_TOKENS, Decoder, FixedGamma, GammaPolicy
 from .gamma import AdaptiveGamma, measure_forward_costs
 from .drafters.base import Drafter
+from .drafters.cross_vocab import DRAFT_RATIO, CrossVocabDrafter, VocabBridge
 from .drafters.draft_model import DraftModelDrafter, check_compatible
 from .drafters.lookahead import LookaheadDrafter, parse_lookahead
 from .drafters.nasd import NASDDrafter
 from .drafters.pld import PromptLookupDrafter
 from .drafters.suffix import SuffixCache, SuffixDrafter
-from .errors import InvalidParameterError
+from .errors import IncompatibleModelsError, InvalidParameterError
 from .models import LoadedModel, load_model
 from .sampling import SamplingParams
 from .sequence import GenerationStats, Sequence
@@ -111,6 +112,7 @@ class SpeculativeDecoder:
         self._auto_arms: dict = {}  # method auto: each drafter's acceptance pooled over requests (a prior)
         self.suffix_cache = SuffixCache()  # method suffix: earlier requests' tokens, shared by its drafters
         self._draft: LoadedModel | None = draft if isinstance(draft, LoadedModel) else None
+        self._bridge: VocabBridge | None = None  # a draft with another tokenizer (drafters/cross_vocab.py)
         if self._draft is not None:
             self._check_draft(self._draft)
 
@@ -197,7 +199,18 @@ class SpeculativeDecoder:
         return plan, f"saved to {path}"
 
     def _check_draft(self, d: LoadedModel) -> None:
-        check_compatible(self.target.tokenizer, d.tokenizer, self.target.config, d.config)
+        """The target's tokenizer, or one bridged to it (cross-tokenizer drafting; else a clear error)."""
+        try:
+            check_compatible(self.target.tokenizer, d.tokenizer, self.target.config, d.config)
+        except IncompatibleModelsError:
+            self._bridge = VocabBridge(self.target.tokenizer, d.tokenizer, self.target.config.vocab_size,
+                                       d.config.vocab_size)
+
+    @property
+    def bridge(self) -> VocabBridge | None:
+        """The map to the draft model's vocabulary when its tokenizer is not the target's (None: same)."""
+        self.draft
+        return self._bridge
 
     def encode(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
         if isinstance(prompt, list):
@@ -218,6 +231,8 @@ class SpeculativeDecoder:
         base, tree = drafter_kind(method)
         opts = {"branches": TREE_WIDTH if tree else 1, **opts}
         if method in METHODS and base == "draft":
+            if self.bridge is not None:
+                return CrossVocabDrafter(self.draft.model, self.bridge, rows, capacity, **opts)
             return DraftModelDrafter(self.draft.model, rows, capacity, **opts)
         if method in METHODS and base == "pld":
             return PromptLookupDrafter(**opts)
@@ -261,7 +276,8 @@ class SpeculativeDecoder:
         if self._draft_cost is None:
             self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0] \
                 if self.backend == "native" else 0.0
-        return self._draft_cost
+        # a draft with another tokenizer feeds about 1.5 of its tokens per target token (cross_vocab)
+        return self._draft_cost * (DRAFT_RATIO if self.bridge is not None else 1.0)
 
     def pass_cost(self, tokens: int) -> float:
         """Seconds of a batch-1 target pass over ``tokens`` new tokens on this machine: measured once per
@@ -324,7 +340,8 @@ class SpeculativeDecoder:
                 self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0]
             per_draft = self._draft_cost
         for k, T in enumerate(fed):
-            policy.prime(1, k, self._target_costs[T] + k * per_draft)
+            drafts = k + 1 if base == "draft" and self.bridge is not None and k else k  # text: k + 1 tokens
+            policy.prime(1, k, self._target_costs[T] + drafts * per_draft)
         return policy
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
