@@ -126,6 +126,20 @@ def test_cache_evicts_whole_oldest_requests_and_stays_bounded():
     assert len(cache) == 0 and cache.sequences == 0
 
 
+def test_deferred_additions_wait_for_the_block_and_come_once():
+    """bench runs every method on a prompt inside ``deferred``: none drafts from another's output of it."""
+    cache = SuffixCache()
+    cache.add([1, 2, 3])
+    with cache.deferred():
+        cache.add([4, 5, 6])
+        cache.add([4, 5, 6])  # the same output from a second method
+        cache.add([7, 8])
+        assert cache.buffer.tolist() == [SEP, 1, 2, 3, SEP]
+    assert cache.buffer.tolist() == [SEP, 1, 2, 3, SEP, 4, 5, 6, SEP, 7, 8, SEP]
+    cache.add([9])  # no longer deferred
+    assert cache.sequences == 4
+
+
 def test_evicted_requests_no_longer_propose():
     cache = SuffixCache(max_tokens=40)
     drafter = SuffixDrafter(cache)

@@ -253,10 +253,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
             for i, (p, ids) in enumerate(work):
                 order = methods[i % len(methods):] + methods[:i % len(methods)]
                 runs = {}
-                for m in order:
-                    bar.update(task, description=f"{p.category}:{p.question_id} {m}")
-                    runs[m] = runner.run(m, ids)
-                    bar.advance(task)
+                with runner.dw.suffix_cache.deferred():  # suffix drafts from earlier prompts, not this one's
+                    for m in order:                      # output by another method
+                        bar.update(task, description=f"{p.category}:{p.question_id} {m}")
+                        runs[m] = runner.run(m, ids)
+                        bar.advance(task)
                 per_prompt.append({"question_id": p.question_id, "category": p.category,
                                    "subcategory": p.subcategory, "prompt_tokens": len(ids), "order": order,
                                    "runs": {m: runs[m] for m in methods}})

@@ -36,6 +36,7 @@ import heapq
 import itertools
 import threading
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +71,23 @@ class SuffixCache:
         self._buf = np.full(1, SEP, dtype=np.int32)  # (1 + Σ (len + 1),)
         self._lens: deque[int] = deque()  # tokens of each held sequence, oldest first
         self._lock = threading.Lock()
+        self._pending: list[list[int]] | None = None  # additions held back by ``deferred``
+
+    @contextmanager
+    def deferred(self):
+        """Hold additions back until the block ends, then add each distinct sequence once. ``bench`` runs
+        every method on one prompt inside this, so no method drafts from another method's output of the
+        same prompt (only earlier prompts' outputs are in the cache, as in a server)."""
+        self._pending = []
+        try:
+            yield self
+        finally:
+            pending, self._pending = self._pending, None
+            seen: set[tuple[int, ...]] = set()
+            for tokens in pending:
+                if tuple(tokens) not in seen:
+                    seen.add(tuple(tokens))
+                    self.add(tokens)
 
     @property
     def buffer(self) -> np.ndarray:
@@ -88,6 +106,9 @@ class SuffixCache:
         return self._buf.nbytes
 
     def add(self, tokens: list[int]) -> None:
+        if self._pending is not None:
+            self._pending.append(list(tokens))
+            return
         tokens = tokens[len(tokens) - self.max_tokens:] if len(tokens) > self.max_tokens else tokens
         if not tokens:
             return
