@@ -24,6 +24,7 @@ from .drafters.pld import PromptLookupDrafter
 from .drafters.suffix import SuffixCache, SuffixDrafter
 from .errors import IncompatibleModelsError, InvalidParameterError
 from .models import LoadedModel, load_model
+from .models.base import is_encoder_decoder
 from .sampling import SamplingParams
 from .sequence import GenerationStats, Sequence
 
@@ -39,6 +40,7 @@ TREE_WIDTH = 3
 SUFFIX = "suffix"  # SuffixDecoding: trees from this request and earlier ones (``SpeculativeDecoder.suffix_cache``)
 LAYERSKIP = "layerskip"  # the target drafts with a measured subset of its own layers (drafters/layerskip.py)
 LOOKAHEAD = "lookahead"  # Jacobi window + n-gram pool in the verifying pass (drafters/lookahead.py); sizes its own tree
+SEQ2SEQ_METHODS = ("ar", "draft", "pld", "nasd")  # an encoder-decoder target (T5, BART, Marian; backend hf)
 
 
 def drafter_kind(method: str) -> tuple[str, bool]:
@@ -199,7 +201,14 @@ class SpeculativeDecoder:
         return plan, f"saved to {path}"
 
     def _check_draft(self, d: LoadedModel) -> None:
-        """The target's tokenizer, or one bridged to it (cross-tokenizer drafting; else a clear error)."""
+        """The target's tokenizer, or one bridged to it (cross-tokenizer drafting; else a clear error).
+        An encoder-decoder target takes an encoder-decoder draft with its own tokenizer (no bridge)."""
+        if is_encoder_decoder(self.target.model) or is_encoder_decoder(d.model):
+            if is_encoder_decoder(self.target.model) != is_encoder_decoder(d.model):
+                raise IncompatibleModelsError("draft and target must both be encoder-decoder models or both "
+                                              "decoder-only")
+            check_compatible(self.target.tokenizer, d.tokenizer, self.target.config, d.config)
+            return
         try:
             check_compatible(self.target.tokenizer, d.tokenizer, self.target.config, d.config)
         except IncompatibleModelsError:
@@ -212,7 +221,15 @@ class SpeculativeDecoder:
         self.draft
         return self._bridge
 
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """An encoder-decoder target (T5, BART, Marian; ``--backend hf``): the prompt is its source."""
+        return is_encoder_decoder(self.target.model)
+
     def encode(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
+        if self.is_encoder_decoder and (chat or isinstance(prompt, list)):
+            raise InvalidParameterError("an encoder-decoder model takes the prompt text as its source, without "
+                                        "a chat template; drop --chat / give a string")
         if isinstance(prompt, list):
             return self.tokenizer.apply_chat(prompt)
         if not prompt:
@@ -323,7 +340,7 @@ class SpeculativeDecoder:
         """Seed an adaptive policy's cost fit with this machine's measured step costs for ``method``:
         a target pass over k + 1 tokens plus, for the draft model, k single-token draft passes. Measured
         once per process (about two seconds for the 1.5B target)."""
-        if method == "ar" or self.backend != "native":
+        if method == "ar" or self.backend != "native" or self.is_encoder_decoder:
             return policy
         base, tree = drafter_kind(method)
         width = TREE_WIDTH if tree or method in HEAD_METHODS else 1
@@ -353,19 +370,28 @@ class SpeculativeDecoder:
         ids = list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
             else self.encode(prompt, chat)
         if method == BEAM:
+            if self.is_encoder_decoder:
+                raise InvalidParameterError("method 'beam' is for decoder-only models (use transformers' "
+                                            "generate for an encoder-decoder beam search)")
             with torch.inference_mode():
                 r = beam_search(self.target.model, ids, params, num_beams=num_beams, length_penalty=length_penalty,
                                 eos_ids=self.tokenizer.eos_ids)
             return GenerationResult(self.tokenizer.decode(r.token_ids), r.token_ids, ["plain"] * len(r.token_ids),
                                     method, r.finish_reason, r.stats)
+        source, eos = None, self.tokenizer.eos_ids
+        if self.is_encoder_decoder:  # the text is the encoder's source; the decoder starts from its own prompt
+            if method not in SEQ2SEQ_METHODS:
+                raise InvalidParameterError(f"method {method!r} is not available for encoder-decoder models; "
+                                            f"choose one of {', '.join(SEQ2SEQ_METHODS)}")
+            source, ids, eos = ids, list(self.target.model.decoder_prompt), eos | self.target.model.eos_ids
         policy = self.gamma_policy(method, gamma, params)
         capacity = len(ids) + params.max_tokens + policy.max_gamma + 2
         capacity = min(capacity, self.target.config.max_context + policy.max_gamma + 2)
         drafter = self.make_drafter(method, 1, capacity, **(drafter_options or {}))
         tok = self.tokenizer
-        dec = Decoder(self.target.model, drafter, policy, eos_ids=tok.eos_ids, detokenize=tok.decode,
+        dec = Decoder(self.target.model, drafter, policy, eos_ids=eos, detokenize=tok.decode,
                       rows=1, capacity=capacity)
-        seq = Sequence(ids, params)
+        seq = Sequence(ids, params, encoder_ids=source)
         with torch.inference_mode():
             dec.run([seq])
         return GenerationResult(output_text(seq, tok.decode), seq.output_ids, seq.kinds, method,

@@ -25,7 +25,7 @@ import torch
 
 from .drafters.base import Draft, Drafter
 from .errors import InvalidParameterError, PromptTooLongError
-from .models.base import CausalLM
+from .models.base import CausalLM, is_encoder_decoder
 from .sampling import logits_to_probs, sample, sample_at
 from .sequence import ACCEPTED, BONUS, PLAIN, RECOVERED, Sequence
 from .verify import (VerifyResult, verify_greedy, verify_keyed, verify_sampled, verify_tree_greedy,
@@ -114,6 +114,10 @@ class Decoder:
         need = seq.prompt_len + seq.params.max_tokens + headroom
         if seq.prompt_len == 0:
             raise InvalidParameterError("empty prompt: give at least one token")
+        if is_encoder_decoder(self.target):
+            self.target.check_source(seq.encoder_ids)
+        elif seq.encoder_ids is not None:
+            raise InvalidParameterError("a source (encoder_ids) needs an encoder-decoder target")
         if seq.prompt_len >= self.target.config.max_context:
             raise PromptTooLongError(f"prompt is {seq.prompt_len} tokens; the model's context is "
                                      f"{self.target.config.max_context}")
@@ -133,6 +137,8 @@ class Decoder:
         seq.row = len(self.running)
         row = self.cache.view(slice(seq.row, seq.row + 1))
         row.reset()
+        if seq.encoder_ids is not None:  # encoder-decoder: the encoder runs once, then the decoder prefill
+            self.target.encode(row, seq.encoder_ids)
         out = self.target.forward(torch.tensor([seq.prompt_ids]), row, logits_for="last")
         logits = out.logits[0, -1]  # (V,)
         p = seq.params

@@ -73,6 +73,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
         drop_sorted = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop_sorted[..., 0] = False  # and always the most likely token (a top_p below float32's range is 0 here)
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -78,11 +78,15 @@ class GenerationStats:
 
 @dataclass
 class Sequence:
-    """One request being decoded. ``tokens`` = prompt + output; the target cache holds all but the last."""
+    """One request being decoded. ``tokens`` = prompt + output; the target cache holds all but the last.
+
+    An encoder-decoder target also takes ``encoder_ids`` (the source, encoded once when the sequence is
+    added); its ``prompt_ids`` are then the decoder's prompt (``HFSeq2SeqLM.decoder_prompt``)."""
 
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str = ""
+    encoder_ids: list[int] | None = None  # source tokens of an encoder-decoder target; None = decoder-only
     tokens: list[int] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)  # per output token: PLAIN/ACCEPTED/RECOVERED/BONUS
     generator: torch.Generator | None = None
@@ -111,6 +115,12 @@ class Sequence:
             self.tokens = list(self.prompt_ids)
         if self.generator is None:
             self.generator = make_generator(self.params.seed)
+
+    @property
+    def lookup_context(self) -> list[int]:
+        """What copying drafters (prompt lookup, NASD) search: source + tokens for an encoder-decoder
+        target (translation and summaries copy from the source), else ``tokens`` itself."""
+        return self.tokens if self.encoder_ids is None else self.encoder_ids + self.tokens
 
     @property
     def prompt_len(self) -> int:

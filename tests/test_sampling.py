@@ -30,5 +30,8 @@ def test_temperature_top_k_top_p():
     torch.testing.assert_close(p, torch.tensor([2 / 3, 1 / 3, 0.0, 0.0]))
     p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.1))  # always keeps the top token
     torch.testing.assert_close(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    for tiny in (5e-324, 1e-45):  # below float32's smallest value (0 there): still the top token, never NaN
+        p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=tiny))
+        torch.testing.assert_close(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
     hot = logits_to_probs(logits, SamplingParams(temperature=0.5))
     assert hot[0] > 0.5 and torch.isclose(hot.sum(), torch.tensor(1.0))

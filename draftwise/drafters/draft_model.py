@@ -1,11 +1,12 @@
-"""A separate, smaller draft model with its own KV cache (same tokenizer as the target)."""
+"""A separate, smaller draft model with its own KV cache (same tokenizer as the target). For an
+encoder-decoder target the draft is a smaller encoder-decoder model: it encodes the source once, in ``start``."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import IncompatibleModelsError, InvalidParameterError
-from ..models.base import CausalLM
+from ..models.base import CausalLM, is_encoder_decoder
 from ..sampling import logits_to_probs, sample, sample_at
 from ..sequence import Sequence
 from .base import Draft
@@ -39,6 +40,8 @@ class DraftModelDrafter:
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
         cache = self.cache.view(slice(seq.row, seq.row + 1))
         cache.reset()
+        if is_encoder_decoder(self.model):  # an encoder-decoder draft encodes the source into its own cache
+            self.model.encode(cache, seq.encoder_ids)
         prefix = seq.tokens[:-1]
         self.model.forward(torch.tensor([prefix]), cache, logits_for="last")
         seq.drafter_state = len(prefix)

@@ -6,7 +6,7 @@ k-grams, grows with every emitted token, and is *filled* after every verificatio
 top-k tokens at each verified position (what the target itself would say after that context), weighted
 below real observations. Drafting walks forward greedily: at each step the longest context present in
 storage wins (back-off from N-1 to 1), and its best next token is proposed; the draft stops at the first
-context no table knows.
+context no table knows. An encoder-decoder target's source is seeded too (``Sequence.lookup_context``).
 
 With ``branches`` > 1 it proposes a token tree: the ``branches`` best first tokens (backing off for more),
 each followed by its greedy walk.
@@ -99,15 +99,16 @@ class NASDDrafter(StatelessDrafter):
 
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
         st = _Storage(self.max_ngram - 1)
-        st.observe(seq.tokens)
+        st.observe(seq.lookup_context)
         seq.drafter_state = st
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         out = []
         for s, k in zip(seqs, ks):
             st: _Storage = s.drafter_state
-            st.observe(s.tokens)
-            ctx = s.tokens[-st.max_ctx:]
+            toks = s.lookup_context
+            st.observe(toks)
+            ctx = toks[-st.max_ctx:]
             first = st.candidates(ctx, self.branches) if k > 0 else []
             branches = [self._extend(st, ctx, t, k) for t in first]
             out.append(trie(branches))
@@ -132,7 +133,9 @@ class NASDDrafter(StatelessDrafter):
             return
         top = torch.topk(target_logits, min(self.top_k, target_logits.shape[-1]), dim=-1).indices  # (n+1, k)
         weights = [self.filler_weight / (r + 1) for r in range(top.shape[1])]
+        toks = seq.lookup_context
+        off = len(toks) - len(seq.tokens)  # the source before the tokens (encoder-decoder), else 0
         for i in range(target_logits.shape[0]):  # row i: distribution after tokens[:n_before + i]
-            ctx = seq.tokens[max(0, n_before + i - st.max_ctx):n_before + i]
-            st.fill(ctx, top[i].tolist(), weights)
-        st.observe(seq.tokens)
+            end = off + n_before + i
+            st.fill(toks[max(0, end - st.max_ctx):end], top[i].tolist(), weights)
+        st.observe(toks)

@@ -1,5 +1,6 @@
 """Prompt lookup decoding: find the latest earlier occurrence of the last n tokens in prompt + output
-and propose the tokens that followed it (n from ``max_ngram`` down to ``min_ngram``).
+(an encoder-decoder target: source + output, ``Sequence.lookup_context``) and propose the tokens that
+followed it (n from ``max_ngram`` down to ``min_ngram``).
 
 With ``branches`` > 1 it proposes a token tree: the continuations of up to ``branches`` different earlier
 occurrences (longest n first, latest first), merged where they share a prefix (a trie)."""
@@ -54,7 +55,7 @@ class PromptLookupDrafter(StatelessDrafter):
             if k <= 0:
                 out.append(Draft([]))
                 continue
-            toks = s.tokens
+            toks = s.lookup_context
             self._index(s.drafter_state, toks)
             starts: list[int] = []  # where candidate continuations start, best first
             for n in range(self.max_ngram, self.min_ngram - 1, -1):

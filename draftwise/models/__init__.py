@@ -91,6 +91,10 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: st
     if backend not in ("native", "hf"):
         raise InvalidParameterError(f"unknown backend {backend!r}; choose native or hf")
     src = resolve(name_or_path, progress)
+    if backend == "native" and isinstance(src, Path) and src.is_dir():
+        from .loading import hf_folder_config
+
+        hf_folder_config(src)  # an architecture the native backend lacks (encoder-decoder, ...): say so first
     weights = resolve_weights(dtype, src, backend)
     compute = DENSE.get(weights, torch.float32)
     storage = None  # dense weights run by the batch-invariant kernel, in this dtype

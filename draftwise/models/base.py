@@ -141,3 +141,9 @@ class CausalLM(Protocol):
 
     def forward(self, input_ids: torch.Tensor, cache, *, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all") -> ModelOutput: ...
+
+
+def is_encoder_decoder(model) -> bool:
+    """An encoder-decoder backend (models/seq2seq.py) also has ``encode(cache, source_ids)``, run once per
+    sequence before the decoder prefill, and ``check_source(source_ids)``; ``forward`` is its decoder's."""
+    return hasattr(model, "encode")

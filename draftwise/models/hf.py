@@ -104,26 +104,33 @@ class HFCausalLM:
 
 
 def load_hf(src: Path | str, dtype: torch.dtype):
-    """Load with transformers from a folder, a hub id, or a GGUF file (de-quantized by transformers)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load with transformers from a folder, a hub id, or a GGUF file (de-quantized by transformers).
+    A config with ``is_encoder_decoder`` (T5, BART, Marian, ...) loads as ``HFSeq2SeqLM`` (models/seq2seq.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     kw: dict = {}
     if isinstance(src, Path) and src.is_file():
         kw = {"gguf_file": src.name}
         src = src.parent
     try:
+        seq2seq = bool(getattr(AutoConfig.from_pretrained(str(src), **kw), "is_encoder_decoder", False))
         tok = AutoTokenizer.from_pretrained(str(src), **kw)
-        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype, **kw)
+        auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+        model = auto.from_pretrained(str(src), dtype=dtype, **kw)
     except OSError as e:
         raise ModelNotFoundError(f"transformers could not load {src}: {str(e).splitlines()[0]}") from None
     c = model.config
     heads = getattr(c, "num_attention_heads", 1)
+    positions = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None) or 2048
     cfg = ModelConfig(
         arch="hf", vocab_size=model.get_output_embeddings().weight.shape[0],
         hidden_size=getattr(c, "hidden_size", 0), intermediate_size=getattr(c, "intermediate_size", 0),
         num_layers=getattr(c, "num_hidden_layers", 0), num_heads=heads,
         num_kv_heads=getattr(c, "num_key_value_heads", heads) or heads,
         head_dim=getattr(c, "head_dim", None) or getattr(c, "hidden_size", 0) // max(heads, 1),
-        rope_theta=0.0, rms_eps=0.0,
-        max_context=getattr(c, "max_position_embeddings", None) or 2048)
+        rope_theta=0.0, rms_eps=0.0, max_context=positions)
+    if seq2seq:
+        from .seq2seq import HFSeq2SeqLM
+
+        return HFSeq2SeqLM(model, cfg, max_source=positions), tok
     return HFCausalLM(model, cfg), tok

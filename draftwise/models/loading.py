@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ModelNotFoundError
+from ..errors import InvalidParameterError, ModelNotFoundError
 from .base import ModelConfig
 from .registry import draftwise_home
 
@@ -203,6 +203,9 @@ def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def hf_folder_config(folder: Path) -> ModelConfig:
     c = json.loads((folder / "config.json").read_text())
     arch = c.get("model_type")
+    if c.get("is_encoder_decoder"):
+        raise InvalidParameterError(f"{folder}: {arch or 'this'} is an encoder-decoder model; the native backend "
+                                    "runs decoder-only Llama/Qwen2 models: use --backend hf")
     if arch not in SUPPORTED_ARCHS:
         raise ModelNotFoundError(f"{folder}: model_type {arch!r} is not in the native backend "
                                  f"({SUPPORTED_ARCHS}); use --backend hf")

@@ -40,7 +40,8 @@ class Tokenizer:
         for name in _EOS_NAMES:  # chat models end turns with these even when eos_token says otherwise
             if name in vocab and name in (tok.all_special_tokens or []) + list(tok.added_tokens_encoder):
                 ids.add(int(vocab[name]))
-        return cls(tok.backend_tokenizer, frozenset(ids), None, tok, getattr(tok, "chat_template", None))
+        fast = getattr(tok, "backend_tokenizer", None) or _PythonTokenizer(tok)
+        return cls(fast, frozenset(ids), None, tok, getattr(tok, "chat_template", None))
 
     @classmethod
     def from_folder(cls, folder: Path) -> "Tokenizer":
@@ -100,3 +101,28 @@ class Tokenizer:
 
     def vocab_signature(self) -> dict[str, int]:
         return self.fast.get_vocab(with_added_tokens=True)
+
+
+class _Encoding:
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+
+class _PythonTokenizer:
+    """The calls ``Tokenizer`` makes on a Rust ``tokenizers.Tokenizer``, served by a transformers tokenizer
+    that has none (a Python SentencePiece one: Marian's ``MarianTokenizer``)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> _Encoding:
+        return _Encoding(self.tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return len(self.tok)
+
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        return self.tok.get_vocab()

@@ -167,7 +167,36 @@ def _row(r: LevelResult) -> str:
             f"{r.mean_accepted_length:>5.2f}  {share}")
 
 
+def run_url(url: str, model: str, levels: list[int], requests: int | None, max_tokens: int,
+            log=print) -> list[LevelResult]:
+    """The same load against a server already running (one process, or the replicas of a Ray Serve
+    deployment behind its proxy): its own method and policy, no /metrics (a replica's would be partial)."""
+    url = url.rstrip("/")
+    asyncio.run(_level(url, model, 1, 1, max_tokens))  # warm-up, not timed
+    results = []
+    for c in levels:
+        wall, stats = asyncio.run(_level(url, model, c, requests or max(4, 2 * c), max_tokens))
+        results.append(_summarise("server", c, wall, stats, {}))
+        log(_row(results[-1]))
+    return results
+
+
 def cmd_bench_serve(args) -> int:
+    if args.url:
+        model = args.served_model_name or args.target
+        print(f"bench-serve: {args.url}, model {model}, max_tokens {args.max_tokens}, "
+              f"concurrency {','.join(map(str, args.concurrency))}", file=sys.stderr)
+        print(HEADER)
+        results = run_url(args.url, model, args.concurrency, args.requests, args.max_tokens)
+    else:
+        results = _bench_in_process(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+    return 0
+
+
+def _bench_in_process(args) -> list[LevelResult]:
     cfg = engine_config(args)
     cfg.validate()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -184,8 +213,4 @@ def cmd_bench_serve(args) -> int:
           + f", method {cfg.method}, γ ≤ {cfg.gamma}, max_tokens {args.max_tokens}, "
           f"concurrency {','.join(map(str, args.concurrency))}", file=sys.stderr)
     print(HEADER)
-    results = run(dw, cfg, modes, model, args.concurrency, args.requests, args.max_tokens)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
-    return 0
+    return run(dw, cfg, modes, model, args.concurrency, args.requests, args.max_tokens)

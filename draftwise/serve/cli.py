@@ -88,6 +88,16 @@ def add_parsers(sub, model_args, methods) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DRAFTWISE_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    r = s.add_argument_group("scale-out (Ray Serve; pip install 'draftwise[ray]')")
+    r.add_argument("--replicas", type=positive_int, default=1,
+                   help="engine replicas behind one route as a Ray Serve deployment (default 1: this process "
+                        "serves alone, no Ray); each replica gets --threads CPUs (default: cores / replicas)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="run the replicas on this running Ray cluster (e.g. auto, ray://head:10001) instead of "
+                        "a local Ray instance; implies Ray Serve even with --replicas 1")
+    r.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="requests that may wait at Ray Serve's proxy when every replica is busy; more are "
+                        "refused with 503 (default: no bound there; each engine still bounds its own queue)")
 
     b = sub.add_parser("bench-serve", help="load-test the server in-process: requests/s and tokens/s at "
                                            "several concurrencies, with and without speculation")
@@ -100,6 +110,11 @@ def add_parsers(sub, model_args, methods) -> None:
     b.add_argument("--modes", default="ar,fixed,adaptive",
                    help="comma-separated: ar (no speculation), fixed (γ = --gamma), adaptive (default: all)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
+    b.add_argument("--url", default=None, metavar="URL",
+                   help="load-test a server already running there (e.g. `serve --replicas 2`) instead of "
+                        "starting engines in this process")
+    b.add_argument("--served-model-name", default=None, help="with --url: the model id that server expects "
+                                                            "(default: --target)")
 
 
 def main(args) -> int:
@@ -137,6 +152,10 @@ def load(args, method: str):
 
 
 def cmd_serve(args) -> int:
+    if args.replicas > 1 or args.ray_address:
+        from .ray_serve import cmd_serve_ray
+
+        return cmd_serve_ray(args)
     from .engine import Engine
     from .server import run_server
 

@@ -223,6 +223,9 @@ class Engine:
     def __init__(self, dw: SpeculativeDecoder, config: EngineConfig | None = None):
         cfg = config or EngineConfig()
         cfg.validate()
+        if dw.is_encoder_decoder:
+            raise InvalidParameterError("the server decodes decoder-only models; an encoder-decoder model "
+                                        "(T5, BART, Marian) runs in `draftwise generate` and the library")
         self.dw, self.cfg = dw, cfg
         self.tokenizer = dw.tokenizer
         model = dw.target.model

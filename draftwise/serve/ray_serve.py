@@ -1,0 +1,174 @@
+"""``draftwise serve --replicas N``: N engine replicas as one Ray Serve deployment behind one route.
+
+Each replica is the single-process server's own pieces — an ``Engine`` (continuous batching, every method)
+and the OpenAI-compatible FastAPI app — in a Ray actor. Ray Serve does the rest, with nothing home-made:
+
+- **routing**: Serve's HTTP proxy sends each request to a replica with room (power-of-two choices over
+  ``max_ongoing_requests``, which is the replica's cache rows + its engine queue);
+- **back-pressure**: past ``max_queued_requests`` waiting at the proxy, a request is refused with 503;
+  a replica whose own engine queue is full refuses with the single server's 503 as well;
+- **health checks and restarts**: the controller calls ``check_health`` (the engine thread is alive) every
+  few seconds; a replica that dies or fails it is replaced. Its in-flight requests end with an error
+  response (5xx), never silently: a request the proxy accepted completes or gets an error;
+- **placement**: each replica asks for ``threads`` CPUs, so Ray spreads replicas over the nodes of a cluster.
+
+Started by ``draftwise serve --replicas N`` (a local Ray instance, or ``--ray-address`` for a running
+cluster), or as a Serve application with ``serve run draftwise.serve.ray_serve:build_app target=... replicas=2``
+or a ``serve deploy`` config (README). Ray is an optional extra: ``pip install -e ".[ray]"``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+APP_NAME = "draftwise"
+DEPLOYMENT = "draftwise"
+
+
+def spec_from_args(args, replicas: int | None = None) -> dict:
+    """What a replica needs to build its engine, as plain data (shipped to every replica)."""
+    from ..errors import InvalidParameterError
+    from .cli import engine_config
+
+    cfg = engine_config(args)
+    cfg.validate()
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise InvalidParameterError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    n = replicas or args.replicas
+    threads = args.threads or max(1, (os.cpu_count() or 1) // n)
+    return {
+        "target": args.target, "draft": args.draft, "dtype": args.dtype, "draft_dtype": args.draft_dtype,
+        "backend": args.backend, "skip_layers": args.skip_layers, "threads": threads,
+        "engine": {k: v for k, v in cfg.__dict__.items()}, "name": args.served_model_name or args.target,
+        "api_key": args.api_key, "replicas": n, "max_queued_requests": args.max_queued_requests,
+    }
+
+
+class DraftwiseReplica:
+    """One replica: loads the models, builds the engine and its app (started by the app's lifespan)."""
+
+    def __init__(self, spec: dict):
+        import torch
+
+        from ..api import SpeculativeDecoder, uses_draft_model
+        from .app import create_app
+        from .engine import Engine, EngineConfig
+
+        torch.set_num_threads(spec["threads"])
+        cfg = EngineConfig(**spec["engine"])
+        dw = SpeculativeDecoder(spec["target"], spec["draft"] if uses_draft_model(cfg.method) else None,
+                                dtype=spec["dtype"], draft_dtype=spec["draft_dtype"], backend=spec["backend"],
+                                skip_layers=spec["skip_layers"], progress=False)
+        self.engine = Engine(dw, cfg)
+        self._app = create_app(self.engine, spec["name"], spec["api_key"])
+
+    def __serve_build_asgi_app__(self):
+        return self._app
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine thread has stopped is replaced."""
+        if not self.engine.alive:
+            raise RuntimeError("the draftwise engine thread is not running")
+
+
+def deployment(spec: dict):
+    """The Serve application: ``spec['replicas']`` replicas of ``DraftwiseReplica`` behind ``/``."""
+    from ray import serve
+
+    eng = spec["engine"]
+    per_replica = eng["max_batch"] + eng["max_queue"]  # what one engine takes before its own 503
+    queued = spec.get("max_queued_requests")
+    ingress = serve.ingress()(DraftwiseReplica)
+    dep = serve.deployment(
+        ingress, name=DEPLOYMENT, num_replicas=spec["replicas"], max_ongoing_requests=per_replica,
+        max_queued_requests=-1 if queued is None else queued,
+        health_check_period_s=2.0, health_check_timeout_s=60.0, graceful_shutdown_timeout_s=30.0,
+        ray_actor_options={"num_cpus": spec["threads"]})
+    return dep.bind(spec)
+
+
+def build_app(args: dict):
+    """Application builder for Ray's own CLI and config files::
+
+        serve run draftwise.serve.ray_serve:build_app target=smollm2-135m-instruct method=pld replicas=2
+
+    Keys are ``draftwise serve``'s options without the dashes (``max-batch=8`` or ``max_batch=8``)."""
+    argv = ["serve"]
+    for k, v in args.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    from ..cli import build_parser
+
+    parsed = build_parser().parse_args(argv)
+    return deployment(spec_from_args(parsed))
+
+
+def prepare_models(spec: dict) -> None:
+    """Download and convert the models once, in this process, before replicas start: N replicas must not
+    convert the same file at once, and then each maps the converted file (the pages are shared)."""
+    from ..api import uses_draft_model
+    from ..models import load_model
+
+    names = [(spec["target"], spec["dtype"])]
+    if uses_draft_model(spec["engine"]["method"]):
+        names.append((spec["draft"], spec["draft_dtype"] or spec["dtype"]))
+    for name, dtype in names:
+        load_model(name, dtype, spec["backend"], progress=True)
+
+
+def cmd_serve_ray(args) -> int:
+    """``draftwise serve --replicas N``: start (or join) Ray, run the application, serve until Ctrl-C."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        print("draftwise: error: --replicas needs Ray Serve: pip install 'draftwise[ray]'", file=sys.stderr)
+        return 2
+    from ..errors import DraftwiseError
+
+    spec = spec_from_args(args)
+    prepare_models(spec)
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning",
+             **({} if args.ray_address else {"num_cpus": os.cpu_count()}))
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        t0 = time.perf_counter()
+        serve.run(deployment(spec), name=APP_NAME, route_prefix="/")
+    except Exception as e:  # a replica failed to start (bad options surface here), port in use, ...
+        serve.shutdown()
+        ray.shutdown()
+        raise DraftwiseError(f"Ray Serve could not start the deployment: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    print(f"draftwise: serving {spec['name']!r} (method {spec['engine']['method']}) on "
+          f"http://{args.host}:{args.port}/v1 with {spec['replicas']} Ray Serve replicas × {spec['threads']} "
+          f"threads (ready in {time.perf_counter() - t0:.0f} s); Ctrl-C stops", file=sys.stderr)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def replica_actors() -> list:
+    """Handles of the deployment's live replica actors, from Ray's registry of named actors (no dashboard
+    needed); for tests and operators: ``ray.kill`` one to see it replaced."""
+    import ray
+
+    return [ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT}#")]
+
+
+def running_replicas() -> int:
+    """Replicas of the deployment in state RUNNING, from ``serve.status()``."""
+    from ray import serve
+
+    app = serve.status().applications.get(APP_NAME)
+    if app is None or DEPLOYMENT not in app.deployments:
+        return 0
+    return app.deployments[DEPLOYMENT].replica_states.get("RUNNING", 0)
