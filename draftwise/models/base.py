@@ -144,6 +144,7 @@ class CausalLM(Protocol):
 
 
 def is_encoder_decoder(model) -> bool:
-    """An encoder-decoder backend (models/seq2seq.py) also has ``encode(cache, source_ids)``, run once per
-    sequence before the decoder prefill, and ``check_source(source_ids)``; ``forward`` is its decoder's."""
-    return hasattr(model, "encode")
+    """An encoder-decoder backend (models/seq2seq.py) says so (``is_encoder_decoder = True``) and also has
+    ``encode(cache, source_ids)``, run once per sequence before the decoder prefill, and
+    ``check_source(source_ids)``; ``forward`` is its decoder's."""
+    return bool(getattr(model, "is_encoder_decoder", False))

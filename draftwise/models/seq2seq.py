@@ -57,6 +57,8 @@ def _empty_cache():
 class HFSeq2SeqLM:
     """The decoder of an encoder-decoder model as a ``CausalLM``, plus ``encode(cache, source_ids)``."""
 
+    is_encoder_decoder = True
+
     def __init__(self, model, config: ModelConfig, max_source: int):
         self.hf = model.eval()
         self.config = config  # max_context: the decoder's positions
