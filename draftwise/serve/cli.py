@@ -152,10 +152,6 @@ def load(args, method: str):
 
 
 def cmd_serve(args) -> int:
-    if args.replicas > 1 or args.ray_address:
-        from .ray_serve import cmd_serve_ray
-
-        return cmd_serve_ray(args)
     from .engine import Engine
     from .server import run_server
 
@@ -164,6 +160,10 @@ def cmd_serve(args) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         print(f"draftwise: warning: serving on {args.host} without --api-key: anyone who can reach this "
               "address can use the server", file=sys.stderr)
+    if args.replicas > 1 or args.ray_address:
+        from .ray_serve import cmd_serve_ray
+
+        return cmd_serve_ray(args)
     dw = load(args, cfg.method)
     engine = Engine(dw, cfg)
     name = args.served_model_name or args.target
