@@ -134,6 +134,88 @@ def test_best_path_is_chosen_by_default():
     assert isa() == best
 
 
+def test_multi_row_calls_may_take_another_path_with_the_same_bits():
+    """Calls of 3+ rows may run on a path measured faster there (``_tune_multi``); any path gives the
+    reference bits, a forced path (``set_isa``) clears the choice, an unusable name changes nothing."""
+    from draftwise.kernels import isa_multi, set_isa
+
+    ext = extension()
+    g = torch.Generator().manual_seed(7)
+    lin = QLinear(*quantize_rtn(torch.randn(40, 256, generator=g), 4, 32), 32, 4)
+    x = torch.randn(8, 256, generator=g)
+    with using_isa("scalar"):
+        ref8, ref1 = lin(x), lin(x[:1])
+    before = ext.isa_multi()
+    try:
+        for p in available_isas():
+            assert ext.set_isa_multi(p) and isa_multi() == p
+            assert torch.equal(lin(x), ref8) and torch.equal(lin(x[:1]), ref1), p
+        assert not ext.set_isa_multi("sse1") and isa_multi() == available_isas()[-1]
+        set_isa(isa())
+        assert ext.isa_multi() == "" and isa_multi() == isa()
+    finally:
+        ext.set_isa_multi(before)
+
+
+class _FakeExt:
+    def __init__(self, default: str, paths: list[str]):
+        self.default, self.paths, self.multi, self.forced = default, paths, "", []
+
+    def isa(self):
+        return self.default
+
+    def available_isas(self):
+        return ["scalar", *self.paths]
+
+    def cpu_features(self):
+        return "avx2 fma"
+
+    def set_isa(self, name):
+        self.forced.append(name)
+        return True
+
+    def set_isa_multi(self, name):
+        self.multi = name
+        return True
+
+
+def test_tuning_takes_a_path_only_when_clearly_faster_and_caches_it(tmp_path, monkeypatch):
+    import draftwise.kernels as k
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "a"))
+    monkeypatch.setattr(k, "_time_paths", lambda ext, paths: {"avx2": 0.9, "avx512": 1.0})
+    ext = _FakeExt("avx512", ["avx2", "avx512"])
+    k._tune_multi(ext)
+    assert ext.multi == "avx2" and ext.forced[-1] == "avx512"  # measured, then the default path restored
+    cached = list((tmp_path / "a" / "kernels").glob("tune-*.json"))
+    assert len(cached) == 1 and '"multi": "avx2"' in cached[0].read_text()
+
+    def fail(ext, paths):
+        raise AssertionError("the cached choice should be used")
+
+    monkeypatch.setattr(k, "_time_paths", fail)
+    again = _FakeExt("avx512", ["avx2", "avx512"])
+    k._tune_multi(again)
+    assert again.multi == "avx2"
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "b"))  # within the margin: the default stays
+    monkeypatch.setattr(k, "_time_paths", lambda ext, paths: {"avx2": 0.97, "avx512": 1.0})
+    close = _FakeExt("avx512", ["avx2", "avx512"])
+    k._tune_multi(close)
+    assert close.multi == ""
+
+
+def test_path_timing_runs_on_this_cpu():
+    from draftwise.kernels import _time_paths, isa, set_isa
+
+    prev = isa()
+    try:
+        times = _time_paths(extension(), available_isas(), rows=3)
+    finally:
+        set_isa(prev)
+    assert set(times) == set(available_isas()) and all(t > 0 for t in times.values())
+
+
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **env})

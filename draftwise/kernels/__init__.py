@@ -130,13 +130,99 @@ def extension():
                 have = ", ".join(_ext.available_isas())
                 raise InvalidParameterError(f"DRAFTWISE_ISA={forced!r}: this CPU cannot run that path, or it is unknown "
                                             f"(available here: {have}; also 'vnni', 'auto')")
+            if not forced and os.environ.get("DRAFTWISE_TUNE") != "0":
+                try:
+                    _tune_multi(_ext)
+                except OSError as e:  # an unwritable cache: keep the default path for every call
+                    log.warning("draftwise: kernel path tuning skipped (%s)", e)
     return _ext
+
+
+MULTI_MARGIN = 0.05  # another path takes the calls of 3+ rows only when it is this much faster
+
+
+def _tune_multi(ext) -> None:
+    """Calls of ``kMultiRows`` (3) rows or more — verifying drafts, short prefills — are compute-bound, and
+    the widest path is not always the fastest there (AMD Zen 5: the 256-bit paths beat the 512-bit ones
+    by ~12 % at 4-8 rows; at one row every path waits on memory alike). So each path the CPU has is timed
+    once on an 8-row int4 and int8 matmul, and a path more than ``MULTI_MARGIN`` faster than the default
+    takes those calls. Every path computes the same bits: this choice moves speed, never a token. The
+    result is cached per kernel build, CPU and thread count in ``$DRAFTWISE_HOME/kernels``;
+    ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``) skips it."""
+    import json
+
+    from ..models.registry import draftwise_home
+
+    default = ext.isa()
+    paths = [p for p in ext.available_isas() if p != "scalar"]
+    if len(paths) < 2:
+        return
+    sig = f"{build_name()} {ext.cpu_features()} {_cpu_model()} {torch.get_num_threads()}"
+    cache = draftwise_home() / "kernels" / f"tune-{hashlib.sha256(sig.encode()).hexdigest()[:16]}.json"
+    try:
+        choice = json.loads(cache.read_text())["multi"]
+    except (OSError, ValueError, KeyError):
+        times = _time_paths(ext, paths)
+        ext.set_isa(default)
+        best = min(times, key=times.get)
+        choice = best if times[best] < (1 - MULTI_MARGIN) * times[default] else default
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"multi": choice, "default": default, "seconds": times, "signature": sig}))
+    if choice != default and choice in paths:
+        ext.set_isa_multi(choice)
+
+
+def _time_paths(ext, paths: list[str], rows: int = 8) -> dict[str, float]:
+    """Seconds per 8-row call on each path: the best of several timings of an int4 (Q4_K-like, K 1536) and
+    an int8 (Q6_K-like, groups of 16) matmul of a 1.5B model's sizes, summed."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    N, K = 2048, 1536
+    x = torch.randn(rows, K, generator=g)  # (8, K)
+    cases = [(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g), 32, 4),
+             (torch.randint(-32, 32, (N, K), dtype=torch.int8, generator=g), 16, 8)]
+    cases = [(q, torch.rand(N, K // G, generator=g), torch.rand(N, K // G, generator=g) if bits == 4 else
+              torch.empty(0), G, bits) for q, G, bits in cases]  # scales (N, K/G); mins for int4
+    out = {}
+    for p in paths:
+        ext.set_isa(p)
+        total = 0.0
+        for q, scale, minv, G, bits in cases:
+            for _ in range(2):  # warm-up
+                ext.qmm(x, q, scale, minv, G, bits, 8)
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    ext.qmm(x, q, scale, minv, G, bits, 8)
+                best = min(best, time.perf_counter() - t0)
+            total += best / 4
+        out[p] = total
+    return out
+
+
+def _cpu_model() -> str:
+    """Vendor, family, model and name of the first CPU (the tuning cache's key; another CPU re-tunes)."""
+    try:
+        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return platform.processor()
+    keep = ("vendor_id", "cpu family", "model", "model name", "CPU implementer", "CPU part")
+    return "; ".join(line.split(":", 1)[1].strip() for line in block.splitlines()
+                     if ":" in line and line.split(":", 1)[0].strip() in keep)
 
 
 def isa() -> str:
     """The instruction-set path the kernel uses ('none' when it is not built)."""
     ext = extension()
     return ext.isa() if ext is not None else "none"
+
+
+def isa_multi() -> str:
+    """The path of calls with 3 or more rows (``_tune_multi``): ``isa()`` unless another measured faster."""
+    ext = extension()
+    return (ext.isa_multi() or ext.isa()) if ext is not None else "none"
 
 
 def available_isas() -> list[str]:
@@ -153,7 +239,7 @@ def set_isa(name: str) -> None:
     ext = extension()
     if ext is None:
         raise InvalidParameterError(f"the kernel is not built here ({_ext_error})")
-    if not ext.set_isa(name):
+    if not ext.set_isa(name):  # (a forced path runs every call: the multi-row choice is cleared)
         raise InvalidParameterError(f"ISA path {name!r} is unknown or this CPU cannot run it "
                                     f"(available: {', '.join(ext.available_isas())})")
 
@@ -161,19 +247,21 @@ def set_isa(name: str) -> None:
 @contextlib.contextmanager
 def using_isa(name: str):
     """Within this block the kernel runs on path ``name`` (tests)."""
-    prev = isa()
+    prev, multi = isa(), extension().isa_multi() if extension() is not None else ""
     set_isa(name)
     try:
         yield
     finally:
         set_isa(prev)
+        if multi:
+            extension().set_isa_multi(multi)
 
 
 def kernel_info() -> dict:
     """What ``draftwise info`` prints: CPU features, the chosen path, whether the kernel built."""
     ext = extension()
     info = {"machine": platform.machine(), "kernel_built": ext is not None, "build": build_name(),
-            "isa": isa(), "available_isas": available_isas(),
+            "isa": isa(), "isa_multi_row": isa_multi(), "available_isas": available_isas(),
             "forced_by_env": os.environ.get("DRAFTWISE_ISA") or None,
             "activations": "fp32" if activation_bits() == 32 else "int8"}
     if ext is not None:

@@ -82,6 +82,7 @@ const IsaOps* best() {
 }
 
 std::atomic<const IsaOps*> g_active{nullptr};
+std::atomic<const IsaOps*> g_multi{nullptr};  // calls of kMultiRows rows or more, when set
 
 }  // namespace
 
@@ -158,7 +159,30 @@ bool set_active(const char* name) {
   const IsaOps* o = path_by_name(name);
   if (!o) return false;
   g_active.store(o, std::memory_order_release);
+  g_multi.store(nullptr, std::memory_order_release);
   return true;
+}
+
+const IsaOps* active_for(int64_t rows) {
+  if (rows >= kMultiRows)
+    if (const IsaOps* m = g_multi.load(std::memory_order_acquire)) return m;
+  return active();
+}
+
+bool set_multi(const char* name) {
+  if (!name || !*name) {
+    g_multi.store(nullptr, std::memory_order_release);
+    return true;
+  }
+  const IsaOps* o = path_by_name(name);
+  if (!o) return false;
+  g_multi.store(o, std::memory_order_release);
+  return true;
+}
+
+const char* multi_name() {
+  const IsaOps* m = g_multi.load(std::memory_order_acquire);
+  return m ? m->name : "";
 }
 
 }  // namespace dw

@@ -46,7 +46,7 @@ torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::
     dw::group_sums(a.x, M, K, G, xsum.data());
     a.xsum = xsum.data();
   }
-  const dw::IsaOps* ops = dw::active();
+  const dw::IsaOps* ops = dw::active_for(M);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { dw::qmm_columns(ops, a, q8, n0, n1); });
   return out;
 }
@@ -133,6 +133,10 @@ std::string isa() { return dw::active()->name; }
 
 bool set_isa(const std::string& name) { return dw::set_active(name.c_str()); }
 
+bool set_isa_multi(const std::string& name) { return dw::set_multi(name.c_str()); }
+
+std::string isa_multi() { return dw::multi_name(); }
+
 std::vector<std::string> available_isas() {
   const char* names[16];
   const int n = dw::available_paths(names, 16);
@@ -149,6 +153,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] projection, fp32 (layers.cpp)");
   m.def("isa", &isa, "the instruction-set path in use");
   m.def("set_isa", &set_isa, "force a path (scalar, avx2, avxvnni, avx512, avx512vnni, neon, neondot, vnni, auto)");
+  m.def("set_isa_multi", &set_isa_multi, "the path for calls of 3 or more rows ('' = the same as isa())");
+  m.def("isa_multi", &isa_multi, "the path for calls of 3 or more rows, '' when it is isa()'s");
   m.def("available_isas", &available_isas, "paths compiled in and supported by this CPU, lowest first");
   m.def("cpu_features", &cpu_features, "CPU features found by cpuid / getauxval");
 }

@@ -128,7 +128,13 @@ const IsaOps* path_by_name(const char* name);      // null if unknown, not compi
 const IsaOps* active();                // DRAFTWISE_ISA (if set) else the best available
 // Force a path ("vnni" = the best VNNI path; "auto" = best). Returns false (and changes nothing) when
 // the name is unknown or this CPU cannot run it.
-bool set_active(const char* name);
+bool set_active(const char* name);  // also clears the multi-row path below
+// Calls with at least kMultiRows activation rows may run on another path than active(): one measured
+// to be faster there (every path computes the same bits, so which one runs is a question of speed only).
+constexpr int64_t kMultiRows = 3;
+const IsaOps* active_for(int64_t rows);  // the multi-row path for rows >= kMultiRows when set, else active()
+bool set_multi(const char* name);        // "" clears; false (nothing changed) for an unusable name
+const char* multi_name();                // "" when none is set
 
 // ---- the whole matmul on one thread range (dispatching on the active path) ----
 void qmm_columns(const IsaOps* ops, const QmmArgs& a, bool q8, int64_t n0, int64_t n1);
