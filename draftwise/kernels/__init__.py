@@ -133,8 +133,8 @@ def extension():
             if not forced and os.environ.get("DRAFTWISE_TUNE") != "0":
                 try:
                     _tune_multi(_ext)
-                except OSError as e:  # an unwritable cache: keep the default path for every call
-                    log.warning("draftwise: kernel path tuning skipped (%s)", e)
+                except Exception as e:  # an unwritable cache, ...: the default path for every call
+                    log.warning("draftwise: kernel path tuning skipped (%s: %s)", type(e).__name__, e)
     return _ext
 
 
@@ -162,8 +162,10 @@ def _tune_multi(ext) -> None:
     try:
         choice = json.loads(cache.read_text())["multi"]
     except (OSError, ValueError, KeyError):
-        times = _time_paths(ext, paths)
-        ext.set_isa(default)
+        try:
+            times = _time_paths(ext, paths)
+        finally:
+            ext.set_isa(default)
         best = min(times, key=times.get)
         choice = best if times[best] < (1 - MULTI_MARGIN) * times[default] else default
         cache.parent.mkdir(parents=True, exist_ok=True)
