@@ -386,6 +386,34 @@ def test_lean_tokenizer_equals_transformers(hf_folder):
     _lean_equals_transformers(hf_folder)
 
 
+def test_chat_tokenizer_loads_once_under_concurrent_first_requests(hf_folder, monkeypatch):
+    """A server's first chat requests arrive together: the transformers tokenizer is loaded by one of them
+    while the others wait (two threads importing transformers at once can see a half-initialised module)."""
+    import threading
+    import time
+
+    import transformers
+
+    from draftwise.models.tokenizer import Tokenizer
+
+    lean = Tokenizer.from_folder(hf_folder)
+    real, calls = transformers.AutoTokenizer.from_pretrained, []
+
+    def slow_load(*a, **kw):
+        calls.append(1)
+        time.sleep(0.2)  # a wide window for a second loader
+        return real(*a, **kw)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", slow_load)
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(lean.hf)) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 6 and all(h is got[0] for h in got)
+
+
 @pytest.mark.slow
 def test_lean_tokenizer_equals_transformers_on_real_models(smollm):
     from draftwise.models import load_model

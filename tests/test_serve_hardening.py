@@ -128,6 +128,24 @@ def test_an_internal_error_keeps_the_connection(srv, conn, monkeypatch):
     conn.valid()  # the same socket serves the next request
 
 
+def test_a_template_that_refuses_is_a_400_and_a_broken_tokenizer_a_500(srv, conn, monkeypatch):
+    """The template refusing the conversation is the client's problem (400, naming messages); a tokenizer
+    that cannot load (e.g. a failed import) is the server's (500), never blamed on the messages."""
+    from jinja2 import TemplateError
+
+    tok = srv.engine.tokenizer
+    for error, status in ((TemplateError("Conversation roles must alternate"), 400), (ImportError("half-loaded"), 500)):
+        def refuse(messages, error=error):
+            raise error
+        monkeypatch.setattr(tok, "apply_chat", refuse)
+        got, _, body = conn.post("/v1/chat/completions", chat())
+        assert got == status, body
+        if status == 400:
+            assert body["error"]["param"] == "messages" and "alternate" in body["error"]["message"]
+        monkeypatch.undo()
+    conn.valid()
+
+
 def test_empty_prompt_list_is_a_400_and_leaks_nothing(srv, conn):
     before = _requests(srv)
     for prompt in ([], "", [[]]):

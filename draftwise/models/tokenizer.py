@@ -11,12 +11,16 @@ spaces) is loaded through transformers from the start.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InvalidParameterError
 
 _EOS_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
+
+
+_HF_LOAD = threading.Lock()
 
 
 def _token_text(v) -> str | None:
@@ -72,11 +76,15 @@ class Tokenizer:
 
     @property
     def hf(self):
-        """The transformers tokenizer (chat templates), loaded on first use."""
+        """The transformers tokenizer (chat templates), loaded on first use, once: concurrent first chat
+        requests of a server wait for one load (two threads importing transformers at once can see a
+        half-initialised module)."""
         if self._hf is None:
-            from transformers import AutoTokenizer
+            with _HF_LOAD:
+                if self._hf is None:
+                    from transformers import AutoTokenizer
 
-            self._hf = AutoTokenizer.from_pretrained(str(self.folder))
+                    self._hf = AutoTokenizer.from_pretrained(str(self.folder))
         return self._hf
 
     @property

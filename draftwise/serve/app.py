@@ -25,6 +25,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -48,6 +49,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if engine.tokenizer.has_chat_template:  # the chat template's tokenizer, before the first request
+            await asyncio.get_running_loop().run_in_executor(None, lambda: engine.tokenizer.hf)
         engine.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine.stop)
@@ -159,7 +162,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             ids = await run_in_threadpool(engine.tokenizer.apply_chat, messages)
         except DraftwiseError as e:
             raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # the model's template refused the conversation (jinja2 TemplateError, ...)
+        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:  # the template refused them
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         return await _generate(request, body, [ids], "chat")
 
