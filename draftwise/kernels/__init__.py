@@ -143,8 +143,8 @@ MULTI_MARGIN = 0.05  # another path takes the calls of 3+ rows only when it is t
 
 def _tune_multi(ext) -> None:
     """Calls of ``kMultiRows`` (3) rows or more — verifying drafts, short prefills — are compute-bound, and
-    the widest path is not always the fastest there (AMD Zen 5: the 256-bit paths beat the 512-bit ones
-    by ~12 % at 4-8 rows; at one row every path waits on memory alike). So each path the CPU has is timed
+    the default path is not always the fastest there (AMD Zen 5: at 8 rows ``avx512vnni`` is ~13 % slower
+    than ``avx512``; at one row every path waits on memory alike). So each path the CPU has is timed
     once on an 8-row int4 and int8 matmul, and a path more than ``MULTI_MARGIN`` faster than the default
     takes those calls. Every path computes the same bits: this choice moves speed, never a token. The
     result is cached per kernel build, CPU and thread count in ``$DRAFTWISE_HOME/kernels``;
@@ -175,8 +175,8 @@ def _tune_multi(ext) -> None:
 
 
 def _time_paths(ext, paths: list[str], rows: int = 8) -> dict[str, float]:
-    """Seconds per 8-row call on each path: the best of several timings of an int4 (Q4_K-like, K 1536) and
-    an int8 (Q6_K-like, groups of 16) matmul of a 1.5B model's sizes, summed."""
+    """Seconds per ``rows``-row call on each path: the best of several timings of an int4 matmul (groups of
+    32 with mins, as Q4_K converts) and an int8 one (groups of 16, as Q6_K), 2048 × 1536 each, summed."""
     import time
 
     g = torch.Generator().manual_seed(0)
@@ -234,14 +234,15 @@ def available_isas() -> list[str]:
 
 
 def set_isa(name: str) -> None:
-    """Run the kernel on path ``name`` from now on (process-wide), e.g. to test the AVX2 path on an
-    AVX-512 machine. Raises InvalidParameterError when this CPU cannot run it."""
+    """Run the kernel on path ``name`` from now on (process-wide, for every call: a multi-row path chosen by
+    ``_tune_multi`` is cleared), e.g. to test the AVX2 path on an AVX-512 machine. Raises
+    InvalidParameterError when this CPU cannot run it."""
     from ..errors import InvalidParameterError
 
     ext = extension()
     if ext is None:
         raise InvalidParameterError(f"the kernel is not built here ({_ext_error})")
-    if not ext.set_isa(name):  # (a forced path runs every call: the multi-row choice is cleared)
+    if not ext.set_isa(name):
         raise InvalidParameterError(f"ISA path {name!r} is unknown or this CPU cannot run it "
                                     f"(available: {', '.join(ext.available_isas())})")
 
@@ -249,14 +250,15 @@ def set_isa(name: str) -> None:
 @contextlib.contextmanager
 def using_isa(name: str):
     """Within this block the kernel runs on path ``name`` (tests)."""
-    prev, multi = isa(), extension().isa_multi() if extension() is not None else ""
+    ext = extension()
+    prev, multi = isa(), ext.isa_multi() if ext is not None else ""
     set_isa(name)
     try:
         yield
     finally:
         set_isa(prev)
         if multi:
-            extension().set_isa_multi(multi)
+            ext.set_isa_multi(multi)
 
 
 def kernel_info() -> dict:

@@ -81,26 +81,38 @@ class HFCausalLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: HFCache, *, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all") -> ModelOutput:
-        if attn_mask is not None:
-            raise InvalidParameterError("the hf backend does not take custom (tree) attention masks")
-        cache.sync()
         B, T = input_ids.shape
-        start = cache.length()
-        if bool((cache.lengths[:B] != start).any()):
-            raise InvalidParameterError("the hf backend batches rows of one length only (beams)")
+        start = begin_forward(cache, B, attn_mask)
         if positions is None:
             positions = start + torch.arange(T)[None].expand(B, T)
         last = isinstance(logits_for, str) and logits_for == "last"
         out = self.hf(input_ids=input_ids, past_key_values=cache.hf, position_ids=positions, use_cache=True,
                       output_hidden_states=True, logits_to_keep=1 if last else 0)
         cache.lengths[:B] = start + T
-        logits, hidden = out.logits.float(), out.hidden_states[-1]
-        if isinstance(logits_for, torch.Tensor):
-            rows = torch.arange(B)
-            logits, hidden = logits[rows, logits_for].unsqueeze(1), hidden[rows, logits_for].unsqueeze(1)
-        elif last:
-            hidden = hidden[:, -1:]
-        return ModelOutput(logits=logits, hidden=hidden)
+        return select_positions(out.logits.float(), out.hidden_states[-1], logits_for)
+
+
+def begin_forward(cache: HFCache, rows: int, attn_mask: torch.Tensor | None) -> int:
+    """What every hf adapter checks before a forward: no tree mask, the pending rollback applied, the
+    ``rows`` fed rows of one length (returned: the slot the new tokens start at)."""
+    if attn_mask is not None:
+        raise InvalidParameterError("the hf backend does not take custom (tree) attention masks")
+    cache.sync()
+    start = cache.length()
+    if bool((cache.lengths[:rows] != start).any()):
+        raise InvalidParameterError("the hf backend batches rows of one length only (beams)")
+    return start
+
+
+def select_positions(logits: torch.Tensor, hidden: torch.Tensor, logits_for: LogitsFor) -> ModelOutput:
+    """(B, T, V) logits and (B, T, D) hidden states → the positions ``logits_for`` asks for (all; the last;
+    or one per row). Positions already cut to the last one (``logits_to_keep=1``) stay as they are."""
+    if isinstance(logits_for, torch.Tensor):
+        rows = torch.arange(logits.shape[0])
+        logits, hidden = logits[rows, logits_for].unsqueeze(1), hidden[rows, logits_for].unsqueeze(1)
+    elif logits_for == "last":
+        logits, hidden = logits[:, -1:], hidden[:, -1:]
+    return ModelOutput(logits=logits, hidden=hidden)
 
 
 def load_hf(src: Path | str, dtype: torch.dtype):

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import InvalidParameterError, PromptTooLongError
 from .base import LogitsFor, ModelConfig, ModelOutput
-from .hf import HFCache
+from .hf import HFCache, begin_forward, select_positions
 
 
 class Seq2SeqCache(HFCache):
@@ -103,15 +103,10 @@ class HFSeq2SeqLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: Seq2SeqCache, *, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all") -> ModelOutput:
-        if attn_mask is not None:
-            raise InvalidParameterError("the hf backend does not take custom (tree) attention masks")
         if cache.encoder_out is None:
             raise InvalidParameterError("encode the source first (HFSeq2SeqLM.encode)")
-        cache.sync()
         B, T = input_ids.shape  # new decoder tokens
-        start = cache.length()
-        if bool((cache.lengths[:B] != start).any()):
-            raise InvalidParameterError("the hf backend batches rows of one length only (beams)")
+        start = begin_forward(cache, B, attn_mask)
         if positions is not None and not bool((positions == start + torch.arange(T)).all()):
             raise InvalidParameterError("an encoder-decoder decoder takes its positions from the cache")
         from transformers.modeling_outputs import BaseModelOutput
@@ -120,15 +115,10 @@ class HFSeq2SeqLM:
                       attention_mask=cache.encoder_mask[:B], decoder_input_ids=input_ids,
                       use_cache=True, output_hidden_states=True, **{self._cache_arg: cache.hf})
         cache.lengths[:B] = start + T
-        logits, hidden = out.logits.float(), out.decoder_hidden_states[-1]  # (B, T, V), (B, T, D)
-        if isinstance(logits_for, torch.Tensor):
-            rows = torch.arange(B)
-            logits, hidden = logits[rows, logits_for].unsqueeze(1), hidden[rows, logits_for].unsqueeze(1)
-        elif logits_for == "last":
-            logits, hidden = logits[:, -1:], hidden[:, -1:]
+        picked = select_positions(out.logits.float(), out.decoder_hidden_states[-1], logits_for)  # (B, T', V/D)
         if self.banned:
-            logits[..., self.banned] = float("-inf")
-        return ModelOutput(logits=logits, hidden=hidden)
+            picked.logits[..., self.banned] = float("-inf")
+        return picked
 
 
 def _first(*values):

@@ -19,6 +19,7 @@ or a ``serve deploy`` config (README). Ray is an optional extra: ``pip install -
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -27,7 +28,7 @@ APP_NAME = "draftwise"
 DEPLOYMENT = "draftwise"
 
 
-def spec_from_args(args, replicas: int | None = None) -> dict:
+def spec_from_args(args) -> dict:
     """What a replica needs to build its engine, as plain data (shipped to every replica)."""
     from ..errors import InvalidParameterError
     from .cli import engine_config
@@ -36,13 +37,12 @@ def spec_from_args(args, replicas: int | None = None) -> dict:
     cfg.validate()
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise InvalidParameterError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
-    n = replicas or args.replicas
-    threads = args.threads or max(1, (os.cpu_count() or 1) // n)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
     return {
         "target": args.target, "draft": args.draft, "dtype": args.dtype, "draft_dtype": args.draft_dtype,
         "backend": args.backend, "skip_layers": args.skip_layers, "threads": threads,
-        "engine": {k: v for k, v in cfg.__dict__.items()}, "name": args.served_model_name or args.target,
-        "api_key": args.api_key, "replicas": n, "max_queued_requests": args.max_queued_requests,
+        "engine": dataclasses.asdict(cfg), "name": args.served_model_name or args.target,
+        "api_key": args.api_key, "replicas": args.replicas, "max_queued_requests": args.max_queued_requests,
     }
 
 
@@ -79,7 +79,7 @@ def deployment(spec: dict):
 
     eng = spec["engine"]
     per_replica = eng["max_batch"] + eng["max_queue"]  # what one engine takes before its own 503
-    queued = spec.get("max_queued_requests")
+    queued = spec["max_queued_requests"]
     ingress = serve.ingress()(DraftwiseReplica)
     dep = serve.deployment(
         ingress, name=DEPLOYMENT, num_replicas=spec["replicas"], max_ongoing_requests=per_replica,
