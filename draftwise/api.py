@@ -30,11 +30,11 @@ from .sequence import GenerationStats, Sequence
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-METHODS = ("ar", "draft", "pld", "nasd", "draft-tree", "pld-tree", "nasd-tree", "suffix", "medusa", "auto",
+METHODS = ("ar", "draft", "pld", "nasd", "draft-tree", "pld-tree", "nasd-tree", "suffix", "medusa", "eagle", "auto",
            "layerskip", "lookahead")
 AUTO = "auto"  # per request and step, the drafter (or none) with the most expected tokens per second
 AUTO_CHILDREN = ("pld", "nasd", "suffix")  # what auto chooses among by default (drafter option "methods" changes it)
-HEAD_METHODS = ("medusa",)  # draft heads trained on the target (``draftwise train-head``), token trees
+HEAD_METHODS = ("medusa", "eagle")  # draft heads trained on the target (``draftwise train-head``), token trees
 TREE_SUFFIX = "-tree"  # the same drafter proposing a token tree (``branches`` > 1, default TREE_WIDTH)
 TREE_WIDTH = 3
 SUFFIX = "suffix"  # SuffixDecoding: trees from this request and earlier ones (``SpeculativeDecoder.suffix_cache``)
@@ -132,14 +132,16 @@ class SpeculativeDecoder:
             self._draft = d
         return self._draft
 
-    def heads(self, folder: str):
-        """Draft heads from ``folder`` (loaded once), checked against this target's weight file."""
-        if folder not in self._heads:
-            from .heads import load_heads, target_identity
-            from .models.registry import resolve
+    def heads(self, spec: str, kind: str = "medusa"):
+        """The ``kind`` draft heads among ``spec`` (a folder, or folders separated by commas), loaded once
+        and checked against this target's weight file."""
+        from .heads import load_heads, pick_heads, target_identity
+        from .models.registry import resolve
 
-            if self.backend != "native":
-                raise InvalidParameterError("draft heads need the native backend")
+        if self.backend != "native":
+            raise InvalidParameterError("draft heads need the native backend")
+        folder = str(pick_heads(spec, kind))
+        if folder not in self._heads:
             sha = target_identity(resolve(self.target.name, progress=False))
             self._heads[folder] = load_heads(folder, sha).for_inference()
         return self._heads[folder]
@@ -262,15 +264,19 @@ class SpeculativeDecoder:
             return LayerSkipDrafter(self.target.model, self.layerskip_plan(opts.pop("skip_layers", None)).skip, **opts)
         if method == AUTO:
             return self._auto_drafter(rows, capacity, **opts)
-        if method == "medusa":
-            from .drafters.medusa import MedusaDrafter
-
+        if method in HEAD_METHODS:
             heads = opts.pop("heads", None)
             if not heads:
-                raise InvalidParameterError("method 'medusa' needs draft heads (--heads DIR, trained with "
-                                            "`draftwise train-head --kind medusa`)")
+                raise InvalidParameterError(f"method {method!r} needs draft heads (--heads DIR, trained with "
+                                            f"`draftwise train-head --kind {method}`)")
             opts["branches"] = opts.get("branches", TREE_WIDTH)
-            return MedusaDrafter(self.heads(heads), **opts)
+            if method == "eagle":
+                from .drafters.eagle import EagleDrafter
+
+                return EagleDrafter(self.heads(heads, "eagle"), self.target.model.embed, **opts)
+            from .drafters.medusa import MedusaDrafter
+
+            return MedusaDrafter(self.heads(heads, "medusa"), **opts)
         raise InvalidParameterError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
     def _auto_drafter(self, rows: int, capacity: int, methods: list[str] | tuple[str, ...] | None = None,

@@ -39,7 +39,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"model name, GGUF file, HF folder or hub id "
                                                              f"(default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --method draft (default {DEFAULT_DRAFT})")
-    p.add_argument("--heads", default=None, help="draft heads folder for --method medusa (`draftwise train-head`)")
+    p.add_argument("--heads", default=None, help="draft heads for --method medusa / eagle: a folder from `draftwise train-head`, or "
+                        "several separated by commas (each method takes the heads of its kind)")
     p.add_argument("--dtype", default="auto", choices=["auto", "gguf", "int8", "int4", "bf16", "fp32"],
                    help="weight format: auto (a GGUF keeps its own quantization, exact; else bf16), gguf, "
                         "int8 / int4 (round-to-nearest, groups of 32), bf16, fp32")
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.add_parsers(sub, _model_args, METHODS)
     from .train_head import add_arguments as train_head_args
 
-    t = sub.add_parser("train-head", help="train draft heads (Medusa) on the target itself, on this CPU")
+    t = sub.add_parser("train-head", help="train draft heads (Medusa, EAGLE-style) on the target itself, on this CPU")
     t.add_argument("--target", default=DEFAULT_TARGET, help=f"model the heads draft for (default {DEFAULT_TARGET})")
     t.add_argument("--dtype", default="auto", choices=["auto", "gguf", "int8", "int4", "bf16", "fp32"],
                    help="the target's weight format (default auto); use the one you will decode with")

@@ -139,7 +139,9 @@ class Decoder:
         row.reset()
         if seq.encoder_ids is not None:  # encoder-decoder: the encoder runs once, then the decoder prefill
             self.target.encode(row, seq.encoder_ids)
-        out = self.target.forward(torch.tensor([seq.prompt_ids]), row, logits_for="last")
+        # a drafter whose context is the target's states at every prompt position (eagle) gets them all
+        every = {"all_hidden": True} if getattr(self.drafter, "wants_prompt_hidden", False) else {}
+        out = self.target.forward(torch.tensor([seq.prompt_ids]), row, logits_for="last", **every)
         logits = out.logits[0, -1]  # (V,)
         p = seq.params
         if p.greedy:
@@ -151,7 +153,7 @@ class Decoder:
         seq.stats.target_passes += 1
         self._append(seq, [first], [PLAIN])
         if not seq.finished and self.drafter is not None:
-            self.drafter.start(seq, hidden=out.hidden[0, -1:])
+            self.drafter.start(seq, hidden=out.hidden[0] if every else out.hidden[0, -1:])
         seq.stats.prefill_s += time.perf_counter() - t0
         self.running.append(seq)
         if seq.finished:

@@ -1,5 +1,7 @@
-"""Draft heads trained on the target itself: Medusa heads (K heads on the target's last hidden state).
+"""Draft heads trained on the target itself: Medusa heads (K heads on the target's last hidden state)
+and an EAGLE-style head (one decoder layer over the target's features, autoregressive over its own).
 
+**Medusa.** 
 Head k (k = 1..K) reads the target's final hidden state h_t at the position that produced the sequence's
 last token x_{t+1}, and predicts x_{t+1+k}:
 
@@ -9,6 +11,22 @@ last token x_{t+1}, and predicts x_{t+1+k}:
 U is the target's own LM head restricted to the ``vocab`` most frequent tokens (EAGLE-3's reduced draft
 vocabulary: a 8-16k-row head instead of 49-152k keeps a drafted token at a few percent of a target
 pass on a CPU). All K heads are one matmul over U, so U is read once per step.
+
+**EAGLE-style** (``EagleHead``, EAGLE-1/2/3 after Li et al.). Head position j reads the target's final
+hidden state f_j (the state that produced token x_{j+1}) and the embedding of x_{j+1}, and predicts the
+target's next feature f_{j+1}, from which ``U`` gives the draft of x_{j+2}:
+
+    g_j = W_fc [norm(f_j); norm(e(x_{j+1}))]        (2D -> D)
+    u_j = g_j + Attn(norm(g_j))                      causal over the head's own earlier positions, RoPE
+    f^_{j+1} = u_j + MLP(norm(u_j))                  SwiGLU, a smaller intermediate size than the target's
+    logits = U f^_{j+1}                              U as for Medusa (the reduced draft vocabulary)
+
+It drafts autoregressively over its own features: depth 2 reads (f^_{j+1}, its depth-1 token), and so on;
+the attention sees the true features of the context (cached per sequence) and the drafted path's own.
+Trained with EAGLE-3's "training-time test": pass p feeds pass p-1's predicted features, attending to the
+true positions before it and to its own path, so depth p sees at training what it sees drafting.
+A tree grows EAGLE-2 style: each depth expands the ``branches`` most confident nodes (cumulative path
+probability), and the best nodes overall are kept (``drafters/eagle.py``).
 
 Files: ``DIR/heads.safetensors`` (never pickle) + ``DIR/config.json`` naming the target they fit (its
 file's sha256); loading heads for another target is an ``IncompatibleModelsError``.
@@ -26,20 +44,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import IncompatibleModelsError, ModelNotFoundError
+from .errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
 
 CONFIG, WEIGHTS = "config.json", "heads.safetensors"
 
 
 @dataclass
 class HeadConfig:
-    kind: str  # "medusa"
-    num_heads: int
+    kind: str  # "medusa" | "eagle"
+    num_heads: int  # medusa: heads; eagle: depths trained (training-time-test passes)
     hidden_size: int
     vocab: list[int]  # draft vocabulary: target token ids, row order of the output layer
     target: str  # the target's name or path when trained
     target_sha256: str  # of the target's weight file
     trained: dict = field(default_factory=dict)  # corpus, positions, steps, minutes, held-out accuracy
+    arch: dict = field(default_factory=dict)  # eagle: attn_heads, head_dim, intermediate, rope_theta, rms_eps
 
 
 class MedusaHeads(nn.Module):
@@ -74,6 +93,118 @@ class MedusaHeads(nn.Module):
         return self.eval()
 
 
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def eagle_arch(hidden_size: int, head_dim: int, rope_theta: float, rms_eps: float,
+               intermediate: int | None = None) -> dict:
+    """The head's shape for a target: the target's head_dim and RoPE, an MLP twice the hidden size (the
+    target's is ~4-6x) so that a drafted token costs a few percent of a target pass."""
+    return {"attn_heads": max(1, hidden_size // head_dim), "head_dim": head_dim,
+            "intermediate": intermediate or 2 * hidden_size, "rope_theta": rope_theta, "rms_eps": rms_eps}
+
+
+class EagleHead(nn.Module):
+    """EAGLE-style draft head: one decoder layer over (target feature, next token's embedding); see the
+    module docstring. Plain module, explicit cache: ``layer`` takes the cached keys/values and a mask."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        from .models.transformer import Rotary
+
+        self.cfg = cfg
+        a = cfg.arch
+        D = cfg.hidden_size
+        self.nh, self.hd, self.ffn, self.eps = a["attn_heads"], a["head_dim"], a["intermediate"], a["rms_eps"]
+        self.norm_f = nn.Parameter(torch.ones(D))
+        self.norm_e = nn.Parameter(torch.ones(D))
+        self.attn_norm = nn.Parameter(torch.ones(D))
+        self.mlp_norm = nn.Parameter(torch.ones(D))
+        self.fc = nn.Linear(2 * D, D, bias=False)
+        self.qkv = nn.Linear(D, 3 * self.nh * self.hd, bias=False)
+        self.o = nn.Linear(self.nh * self.hd, D, bias=False)
+        self.gate_up = nn.Linear(D, 2 * self.ffn, bias=False)
+        self.down = nn.Linear(self.ffn, D, bias=False)
+        # starts as the identity on the feature (f^_{j+1} = f_j, Medusa's starting point: the target's own
+        # head then predicts x_{j+1}); training learns the step forward. Small random weights on the
+        # embedding half, zero attention and MLP outputs
+        with torch.no_grad():
+            self.fc.weight[:, D:].mul_(0.1)
+            self.fc.weight[:, :D].copy_(torch.eye(D))
+        nn.init.zeros_(self.o.weight)
+        nn.init.zeros_(self.down.weight)
+        self.out = nn.Linear(D, len(cfg.vocab), bias=False)
+        self.register_buffer("vocab", torch.tensor(cfg.vocab, dtype=torch.long), persistent=False)
+        self.rotary = Rotary(self.hd, a["rope_theta"])
+
+    def inputs(self, feat: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """feat, emb: (..., R, D) -> g (..., R, D), the layer's input."""
+        return self.fc(torch.cat([_rms(feat, self.norm_f, self.eps), _rms(emb, self.norm_e, self.eps)], -1))
+
+    def qkv_rope(self, g: torch.Tensor, positions: torch.Tensor):
+        """g: (B, R, D), positions: (B, R) -> q, k, v each (B, nh, R, hd), q and k rotated."""
+        B, R, _ = g.shape
+        q, k, v = (t.view(B, R, self.nh, self.hd).transpose(1, 2)
+                   for t in self.qkv(_rms(g, self.attn_norm, self.eps)).chunk(3, dim=-1))
+        cos, sin = (t.unsqueeze(1) for t in self.rotary.tables(positions, torch.float32))  # (B, 1, R, hd)
+        h = self.hd // 2
+        rot = lambda x: torch.cat([-x[..., h:], x[..., :h]], dim=-1)  # noqa: E731
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin, v
+
+    def finish(self, g: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """The attention over ``keys`` (B, nh, S, hd) under ``mask`` (R, S) or (B, R, S) bool, then the MLP:
+        -> the predicted next features (B, R, D)."""
+        B, _, R, _ = q.shape
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * (self.hd ** -0.5)  # (B, nh, R, S)
+        scores = scores.masked_fill(~(mask if mask.dim() == 3 else mask[None]).unsqueeze(1), float("-inf"))
+        att = torch.matmul(torch.softmax(scores, dim=-1), values)  # (B, nh, R, hd)
+        u = g + self.o(att.transpose(1, 2).reshape(B, R, self.nh * self.hd))
+        gate, up = self.gate_up(_rms(u, self.mlp_norm, self.eps)).chunk(2, dim=-1)
+        return u + self.down(F.silu(gate) * up)
+
+    def logits(self, f: torch.Tensor) -> torch.Tensor:
+        """(..., D) predicted features -> (..., Vd) draft-vocabulary logits."""
+        return self.out(f)
+
+    def train_passes(self, feat: torch.Tensor, emb: torch.Tensor, passes: int) -> list[torch.Tensor]:
+        """Training-time test over whole sequences. feat: (B, C, D) the target's features f_j, emb: (B, C, D)
+        embeddings of x_{j+1}. Pass p (1-based) at position j reads pass p-1's prediction made at j-1
+        (pass 1: the true f_j) and attends to the true positions <= j-p+1 and to its own path (pass q's
+        row at j-p+q): what depth p sees when drafting. Returns each pass's predictions of f_{j+1}
+        (B, C, D); pass p is meaningful at j >= p-1."""
+        B, C, D = feat.shape
+        pos = torch.arange(C).expand(B, C)
+        j = torch.arange(C)[:, None]
+        k = torch.arange(C)[None, :]
+        outs, ks, vs, x = [], [], [], feat
+        for p in range(1, passes + 1):
+            g = self.inputs(x, emb)
+            q, kk, vv = self.qkv_rope(g, pos)
+            ks.append(kk)
+            vs.append(vv)
+            blocks = [k <= j - p + 1] + [k == j - p + qq for qq in range(2, p + 1)]  # (C, C) each
+            f = self.finish(g, q, torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(blocks, 1))
+            outs.append(f)
+            x = torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], 1)
+        return outs
+
+    def for_inference(self) -> "EagleHead":
+        from .kernels import QLinear, extension
+
+        self.requires_grad_(False)
+        if extension() is not None and self.cfg.hidden_size % 16 == 0 and self.ffn % 16 == 0:
+            for name in ("fc", "qkv", "o", "gate_up", "down", "out"):
+                lin = getattr(self, name)
+                setattr(self, name, QLinear.dense(lin.weight.detach().to(torch.bfloat16)))
+        return self.eval()
+
+
+def new_head(cfg: HeadConfig) -> nn.Module:
+    return EagleHead(cfg) if cfg.kind == "eagle" else MedusaHeads(cfg)
+
+
 def file_sha256(path: Path) -> str:
     """sha256 of a weight file (the registry's ``.sha256`` sidecar when there is one)."""
     side = path.with_name(path.name + ".sha256")
@@ -97,7 +228,7 @@ def target_identity(src: Path | str) -> str:
     return hashlib.sha256("".join(file_sha256(f) for f in files).encode()).hexdigest()
 
 
-def save_heads(heads: MedusaHeads, folder: Path) -> None:
+def save_heads(heads: nn.Module, folder: Path) -> None:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -108,7 +239,25 @@ def save_heads(heads: MedusaHeads, folder: Path) -> None:
     (folder / CONFIG).write_text(json.dumps(asdict(heads.cfg), indent=1))
 
 
-def load_heads(folder: Path | str, target_sha256: str | None = None) -> MedusaHeads:
+def pick_heads(spec: str, kind: str) -> Path:
+    """The folder of ``kind`` heads among ``spec`` (one folder, or several separated by commas: ``--heads
+    heads/medusa,heads/eagle`` serves both methods in one bench run)."""
+    folders = [Path(f) for f in str(spec).split(",") if f.strip()]
+    kinds = {}
+    for f in folders:
+        if not (f / CONFIG).is_file():
+            raise ModelNotFoundError(f"no draft heads in {str(f)!r} (expected {CONFIG} and {WEIGHTS}; "
+                                     f"train them with `draftwise train-head`)")
+        kinds[f] = json.loads((f / CONFIG).read_text()).get("kind", "medusa")
+    match = [f for f in folders if kinds[f] == kind]
+    if not match:
+        have = ", ".join(f"{str(f)!r} ({k})" for f, k in kinds.items())
+        raise InvalidParameterError(f"method {kind!r} needs {kind} heads; --heads has {have or 'none'} "
+                                    f"(train them with `draftwise train-head --kind {kind}`)")
+    return match[0]
+
+
+def load_heads(folder: Path | str, target_sha256: str | None = None) -> nn.Module:
     """Heads from ``folder``; ``target_sha256`` (the loaded target's) must match the one they were trained on."""
     from safetensors.torch import load_file
 
@@ -122,7 +271,7 @@ def load_heads(folder: Path | str, target_sha256: str | None = None) -> MedusaHe
             f"the heads in {str(folder)!r} were trained for another target ({cfg.target}, sha256 "
             f"{cfg.target_sha256[:12]}...), not this one (sha256 {target_sha256[:12]}...); train heads for it "
             f"with `draftwise train-head --target ...`")
-    heads = MedusaHeads(cfg)
+    heads = new_head(cfg)
     heads.load_state_dict(load_file(str(folder / WEIGHTS)))
     return heads
 

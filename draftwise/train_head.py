@@ -3,11 +3,15 @@
 Self-distillation in two phases within ``--minutes``:
 
 1. **Features** (up to half the budget): the target reads corpus text in chunks; at every position its
-   final hidden state h_t and its own greedy next token a_t (what it would write there) are recorded.
-   Labels are the target's predictions, never the corpus text, so the heads learn the target.
-2. **Training**: Medusa head k learns a_{t+k} from h_t (cross-entropy over the draft vocabulary: the
-   most frequent target predictions), AdamW, with checkpoints every minute; held-out top-1 accuracy per
-   head is written into the head's config.
+   final hidden state h_t and its own greedy next token a_t (what it would write there) are recorded,
+   with the corpus token. Labels are the target's predictions, never the corpus text, so the heads learn
+   the target.
+2. **Training** (cross-entropy over the draft vocabulary: the most frequent target predictions), AdamW,
+   with checkpoints every minute; held-out top-1 accuracy per head (medusa) or per drafted depth (eagle)
+   is written into the head's config.
+   - ``--kind medusa``: head k learns a_{t+k} from h_t.
+   - ``--kind eagle``: over whole chunks, the layer learns f_{t+1} (smooth L1) and a_{t+1} from (f_t,
+     x_{t+1}), at ``--num-heads`` depths by EAGLE-3's training-time test (heads.py).
 
 Resumable: the features are saved in ``OUT/features.safetensors`` and the heads at each checkpoint; a
 second run with the same ``--out`` continues from both.
@@ -30,8 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InvalidParameterError
-from .heads import HeadConfig, MedusaHeads, load_heads, save_heads, target_identity
+from .heads import HeadConfig, eagle_arch, load_heads, new_head, save_heads, target_identity
 
+KINDS = ("medusa", "eagle")
 FEATURES = "features.safetensors"
 CHUNK = 256  # tokens per target forward while collecting features
 
@@ -83,9 +88,9 @@ def _chunks(files: list[Path], tokenizer, seed: int = 0):
 @torch.inference_mode()
 def collect_features(model, tokenizer, files: list[Path], seconds: float, max_positions: int, progress=None,
                      batch: int = 8):
-    """(hidden (N, D) bf16, greedy next token (N,), chunk id (N,)) over full corpus chunks of CHUNK tokens,
-    ``batch`` chunks per target forward, within ``seconds``."""
-    hs, labels = [], []
+    """(hidden (N, D) bf16, greedy next token (N,), chunk id (N,), corpus token (N,)) over full corpus
+    chunks of CHUNK tokens, ``batch`` chunks per target forward, within ``seconds``."""
+    hs, labels, toks = [], [], []
     n, t0 = 0, time.perf_counter()
     cache = model.new_cache(batch, CHUNK)
     chunks = (c for c in _chunks(files, tokenizer) if len(c) == CHUNK)
@@ -98,6 +103,7 @@ def collect_features(model, tokenizer, files: list[Path], seconds: float, max_po
         out = model.forward(torch.tensor(group), view, logits_for="all")  # (b, CHUNK, V)
         hs.append(out.hidden.reshape(-1, out.hidden.shape[-1]).to(torch.bfloat16))
         labels.append(out.logits.argmax(-1).reshape(-1))
+        toks.append(torch.tensor(group).reshape(-1))
         n += len(group) * CHUNK
         if progress is not None:
             progress(n, time.perf_counter() - t0)
@@ -105,7 +111,7 @@ def collect_features(model, tokenizer, files: list[Path], seconds: float, max_po
         raise InvalidParameterError(f"no features collected: the corpus has no text of {CHUNK} tokens, or the "
                                     "budget is too small")
     labels_all = torch.cat(labels)
-    return torch.cat(hs), labels_all, torch.arange(len(labels_all)) // CHUNK
+    return torch.cat(hs), labels_all, torch.arange(len(labels_all)) // CHUNK, torch.cat(toks)
 
 
 def head_targets(labels: torch.Tensor, chunk_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -128,92 +134,186 @@ def output_rows(lm_head, rows: torch.Tensor) -> torch.Tensor:
     return lm_head.weight[rows].float()
 
 
-def train_medusa(model, tokenizer, *, target_name: str, target_sha: str, out: Path, minutes: float,
-                 files: list[Path], num_heads: int = 3, vocab_size: int = 8192, batch: int = 256,
-                 lr: float = 1e-3, max_positions: int = 400_000, corpus: str = "", log=print,
-                 bar=True) -> MedusaHeads:
-    """Collect features (or reuse OUT/features.safetensors), then train Medusa heads for the rest of
-    ``minutes``; checkpoints in ``out``. Returns the trained heads."""
+def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, target_sha: str, out: Path,
+                minutes: float, files: list[Path], num_heads: int = 3, vocab_size: int = 8192,
+                batch: int | None = None, lr: float | None = None, max_positions: int = 400_000,
+                corpus: str = "", log=print, bar=True):
+    """Collect features (or reuse OUT/features.safetensors), then train the heads (``kind`` medusa: K
+    heads; eagle: one layer, ``num_heads`` training-time-test depths) for the rest of ``minutes``;
+    checkpoints in ``out``. Returns the trained heads."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
     from safetensors.torch import load_file, save_file
 
+    if kind not in KINDS:
+        raise InvalidParameterError(f"unknown head kind {kind!r}; choose one of {', '.join(KINDS)}")
     if minutes <= 0:
         raise InvalidParameterError(f"--minutes must be > 0, got {minutes}")
+    eagle = kind == "eagle"
+    batch = batch or (8 if eagle else 256)  # eagle: windows of _EagleData.WINDOW positions; medusa: positions
+    lr = lr or (3e-3 if eagle else 1e-3)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     budget = minutes * 60
-    D = model.config.hidden_size
+    cfg_m = model.config
+    D = cfg_m.hidden_size
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                   TimeRemainingColumn(), disable=not bar, transient=False) as prog:
         feat_file = out / FEATURES
-        if feat_file.is_file():
-            f = load_file(str(feat_file))
-            hidden, labels, chunk_ids = f["hidden"], f["labels"], f["chunk_ids"]
-            if hidden.shape[1] != D:
-                raise InvalidParameterError(f"{feat_file} holds features of another model (D={hidden.shape[1]})")
+        f = load_file(str(feat_file)) if feat_file.is_file() else None
+        if f is not None and ("tokens" not in f or f["hidden"].shape[1] != D):
+            log(f"train-head: {feat_file} holds features of another model or an older version; collecting anew")
+            f = None
+        if f is not None:
+            hidden, labels, chunk_ids, tokens = f["hidden"], f["labels"], f["chunk_ids"], f["tokens"]
             log(f"train-head: reusing {hidden.shape[0]} positions of features from {feat_file}")
         else:
             task = prog.add_task("features", total=budget / 2, info="")
-            hidden, labels, chunk_ids = collect_features(
+            hidden, labels, chunk_ids, tokens = collect_features(
                 model, tokenizer, files, budget / 2, max_positions,
                 lambda n, s: prog.update(task, completed=s, info=f"{n} positions, {n / max(s, 1e-9):.0f}/s"))
             prog.update(task, completed=budget / 2)
-            save_file({"hidden": hidden.contiguous(), "labels": labels, "chunk_ids": chunk_ids}, str(feat_file))
-        targets = head_targets(labels, chunk_ids, num_heads)  # (K, N)
-        vocab = torch.bincount(labels, minlength=model.config.vocab_size).topk(
-            min(vocab_size, model.config.vocab_size)).indices.sort().values
-        to_draft = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+            save_file({"hidden": hidden.contiguous(), "labels": labels, "chunk_ids": chunk_ids, "tokens": tokens},
+                      str(feat_file))
+        vocab = torch.bincount(labels, minlength=cfg_m.vocab_size).topk(
+            min(vocab_size, cfg_m.vocab_size)).indices.sort().values
+        to_draft = torch.full((cfg_m.vocab_size,), -1, dtype=torch.long)
         to_draft[vocab] = torch.arange(len(vocab))
-        y = torch.where(targets >= 0, to_draft[targets.clamp_min(0)], torch.full_like(targets, -1))  # (K, N)
-        N = hidden.shape[0]
-        n_val = max(1, N // 20)  # the last 5% (whole chunks at the end of the shuffled corpus) held out
-        cfg = HeadConfig("medusa", num_heads, D, vocab.tolist(), target_name, target_sha)
-        resumed = (out / "config.json").is_file()
-        if resumed:
+        arch = eagle_arch(D, cfg_m.head_dim, cfg_m.rope_theta, cfg_m.rms_eps) if eagle else {}
+        cfg = HeadConfig(kind, num_heads, D, vocab.tolist(), target_name, target_sha, arch=arch)
+        if (out / "config.json").is_file():
             heads = load_heads(out, target_sha)
-            if heads.cfg.vocab != cfg.vocab or heads.cfg.num_heads != num_heads:
-                raise InvalidParameterError(f"{out} holds heads of another shape; use a new --out")
+            if heads.cfg.kind != kind or heads.cfg.vocab != cfg.vocab or heads.cfg.num_heads != num_heads:
+                raise InvalidParameterError(f"{out} holds heads of another kind or shape; use a new --out")
             log(f"train-head: resuming the heads in {out}")
         else:
-            heads = MedusaHeads(cfg)
+            heads = new_head(cfg)
             with torch.no_grad():
                 heads.out.weight.copy_(output_rows(model.lm_head, vocab))
-        heads.out.requires_grad_(False)  # the target's own head, restricted: only the blocks learn
+                if eagle:  # the features' scale, so that the head starts as the identity on them
+                    heads.norm_f.fill_(float(hidden[:4096].float().pow(2).mean().sqrt()))
+        heads.out.requires_grad_(False)  # the target's own head, restricted: the rest learns
+        task_data = (_EagleData if eagle else _MedusaData)(model, hidden, labels, chunk_ids, tokens, to_draft,
+                                                          num_heads)
         opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
         g = torch.Generator().manual_seed(0)
         left = budget - (time.perf_counter() - t_start)
         task = prog.add_task("training", total=max(left, 1.0), info="")
         t0 = last_ckpt = time.perf_counter()
         steps, loss_ema = int(heads.cfg.trained.get("steps", 0)), None
+        ckpt = lambda: _checkpoint(heads, out, steps, hidden.shape[0], minutes, corpus, task_data)  # noqa: E731
         while time.perf_counter() - t_start < budget:
-            idx = torch.randint(0, N - n_val, (batch,), generator=g)
-            h = hidden[idx].float()
-            logits = heads(h)  # (K, B, Vd)
-            yy = y[:, idx]
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yy.reshape(-1), ignore_index=-1)
+            loss = task_data.loss(heads, task_data.sample(batch, g))
             opt.zero_grad()
             loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in heads.parameters() if p.requires_grad], 1.0)
             opt.step()
             steps += 1
             lv = float(loss.detach())
             loss_ema = lv if loss_ema is None else 0.95 * loss_ema + 0.05 * lv
             prog.update(task, completed=time.perf_counter() - t0, info=f"step {steps} loss {loss_ema:.3f}")
             if time.perf_counter() - last_ckpt > 60:
-                _checkpoint(heads, out, steps, N, minutes, corpus, hidden, y, n_val)
+                ckpt()
                 last_ckpt = time.perf_counter()
-        acc = _checkpoint(heads, out, steps, N, minutes, corpus, hidden, y, n_val)
-    log(f"train-head: {steps} steps on {N} positions; held-out top-1 accuracy per head: "
-        + ", ".join(f"{a:.3f}" for a in acc) + f"; wrote {out}")
+        acc = ckpt()
+    what = "head" if eagle else "heads"
+    log(f"train-head: {steps} steps on {hidden.shape[0]} positions; held-out top-1 accuracy per "
+        f"{'depth' if eagle else what}: " + ", ".join(f"{a:.3f}" for a in acc) + f"; wrote {out}")
     return heads
 
 
-@torch.no_grad()
-def _checkpoint(heads, out, steps, N, minutes, corpus, hidden, y, n_val) -> list[float]:
-    val = slice(hidden.shape[0] - n_val, hidden.shape[0])
-    pred = heads(hidden[val].float()).argmax(-1)  # (K, n_val)
-    yy = y[:, val]
-    acc = [float((pred[k] == yy[k])[yy[k] >= 0].float().mean()) if bool((yy[k] >= 0).any()) else 0.0
-           for k in range(yy.shape[0])]
+def train_medusa(model, tokenizer, **kw):
+    return train_heads(model, tokenizer, kind="medusa", **kw)
+
+
+def train_eagle(model, tokenizer, **kw):
+    return train_heads(model, tokenizer, kind="eagle", **kw)
+
+
+class _MedusaData:
+    """Positions: head k learns the target's greedy token a_{t+k} from h_t. The last 5% held out."""
+
+    def __init__(self, model, hidden, labels, chunk_ids, tokens, to_draft, K):
+        targets = head_targets(labels, chunk_ids, K)  # (K, N)
+        self.hidden = hidden
+        self.y = torch.where(targets >= 0, to_draft[targets.clamp_min(0)], torch.full_like(targets, -1))  # (K, N)
+        self.n_val = max(1, hidden.shape[0] // 20)  # whole chunks at the end of the shuffled corpus
+
+    def sample(self, batch, g):
+        return torch.randint(0, self.hidden.shape[0] - self.n_val, (batch,), generator=g)
+
+    def loss(self, heads, idx):
+        logits = heads(self.hidden[idx].float())  # (K, B, Vd)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), self.y[:, idx].reshape(-1), ignore_index=-1)
+
+    @torch.no_grad()
+    def held_out(self, heads) -> list[float]:
+        val = slice(self.hidden.shape[0] - self.n_val, self.hidden.shape[0])
+        pred = heads(self.hidden[val].float()).argmax(-1)  # (K, n_val)
+        yy = self.y[:, val]
+        return [float((pred[k] == yy[k])[yy[k] >= 0].float().mean()) if bool((yy[k] >= 0).any()) else 0.0
+                for k in range(yy.shape[0])]
+
+
+class _EagleData:
+    """Whole chunks: head position j reads (f_j, x_{j+1}) and learns f_{j+1} (smooth L1) and the target's
+    greedy token after it (cross-entropy over the draft vocabulary), at every training-time-test depth.
+    The last 5% of the chunks held out."""
+
+    REG = 1.0  # weight of the feature regression beside the token loss
+    WINDOW = 32  # positions per training window: short windows, more steps per minute (measured best of 32/96)
+
+    def __init__(self, model, hidden, labels, chunk_ids, tokens, to_draft, passes):
+        C = CHUNK
+        n = hidden.shape[0] // C
+        self.model, self.passes = model, passes
+        self.hidden = hidden[:n * C].view(n, C, -1)  # (n, C, D)
+        self.tokens = tokens[:n * C].view(n, C)
+        self.y = to_draft[labels[:n * C].view(n, C)]  # (n, C) draft-vocabulary id of the target's next token, or -1
+        self.n_val = max(1, n // 20)
+        self.n_train = max(1, n - self.n_val)
+
+    def sample(self, batch, g):
+        """(chunk, window start) of ``batch`` training windows of WINDOW + 1 positions."""
+        W = min(self.WINDOW, CHUNK - 1)
+        return (torch.randint(0, self.n_train, (batch,), generator=g),
+                torch.randint(0, CHUNK - W, (batch,), generator=g))
+
+    def _outs(self, heads, sel):
+        c, s0 = sel
+        W = min(self.WINDOW, CHUNK - 1) if s0 is not None else CHUNK - 1
+        j = (s0 if s0 is not None else torch.zeros_like(c))[:, None] + torch.arange(W + 1)  # (B, W+1)
+        rows = c[:, None]
+        feat = self.hidden[rows, j[:, :-1]].float()  # (B, W, D) f_j
+        with torch.no_grad():
+            emb = self.model.embed(self.tokens[rows, j[:, 1:]]).float().clone()  # (B, W, D) e(x_{j+1})
+        return heads.train_passes(feat, emb, self.passes), self.hidden[rows, j[:, 1:]].float(), self.y[rows, j[:, 1:]]
+
+    def loss(self, heads, idx):
+        outs, f_next, y = self._outs(heads, idx)
+        total = 0.0
+        for p, f in enumerate(outs):  # pass p+1 is meaningful from position p on
+            logits = heads.logits(f[:, p:])
+            total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, p:].reshape(-1),
+                                            ignore_index=-1) \
+                + self.REG * F.smooth_l1_loss(f[:, p:], f_next[:, p:])
+        return total / len(outs)
+
+    @torch.no_grad()
+    def held_out(self, heads) -> list[float]:
+        idx = torch.arange(self.n_train, self.n_train + self.n_val)[:16] if self.n_train < self.hidden.shape[0] \
+            else torch.arange(0, min(16, self.n_train))
+        outs, _, y = self._outs(heads, (idx, None))  # whole chunks
+        acc = []
+        for p, f in enumerate(outs):
+            yy = y[:, p:]
+            ok = yy >= 0
+            pred = heads.logits(f[:, p:]).argmax(-1)
+            acc.append(float((pred == yy)[ok].float().mean()) if bool(ok.any()) else 0.0)
+        return acc
+
+
+def _checkpoint(heads, out, steps, N, minutes, corpus, data) -> list[float]:
+    acc = data.held_out(heads)
     heads.cfg.trained = {"steps": steps, "positions": N, "minutes": minutes, "corpus": corpus,
                          "held_out_top1": [round(a, 4) for a in acc]}
     save_heads(heads, out)
@@ -221,12 +321,15 @@ def _checkpoint(heads, out, steps, N, minutes, corpus, hidden, y, n_val) -> list
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kind", default="medusa", choices=["medusa"], help="head kind (default medusa)")
+    p.add_argument("--kind", default="medusa", choices=list(KINDS),
+                   help="medusa: K heads on the last hidden state; eagle: one decoder layer over the target's "
+                        "features, autoregressive (default medusa)")
     p.add_argument("--out", required=True, help="folder for the heads (config.json + heads.safetensors)")
     p.add_argument("--minutes", type=float, default=30.0, help="time budget, features + training (default 30)")
     p.add_argument("--corpus", action="append", default=None,
                    help="text file or folder (repeatable); default: the Python stdlib and packages' docs")
-    p.add_argument("--num-heads", type=int, default=3, help="Medusa heads (default 3)")
+    p.add_argument("--num-heads", type=int, default=3,
+                   help="medusa: heads; eagle: depths trained by training-time test (default 3)")
     p.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary rows (default 8192)")
 
 
@@ -241,12 +344,13 @@ def cmd_train_head(args) -> int:
     _setup_threads(args)
     lm = load_model(args.target, args.dtype, "native")
     sha = target_identity(resolve(args.target, progress=False))
-    train_medusa(lm.model, lm.tokenizer, target_name=args.target, target_sha=sha, out=Path(args.out),
-                 minutes=args.minutes, files=files, num_heads=args.num_heads, vocab_size=args.vocab_size,
-                 corpus=", ".join(args.corpus) if args.corpus else "python stdlib + installed packages' docs",
-                 log=lambda m: print(m, file=sys.stderr))
+    train_heads(lm.model, lm.tokenizer, kind=args.kind, target_name=args.target, target_sha=sha,
+                out=Path(args.out), minutes=args.minutes, files=files, num_heads=args.num_heads,
+                vocab_size=args.vocab_size,
+                corpus=", ".join(args.corpus) if args.corpus else "python stdlib + installed packages' docs",
+                log=lambda m: print(m, file=sys.stderr))
     return 0
 
 
 __all__ = ["add_arguments", "cmd_train_head", "collect_features", "corpus_files", "default_corpus",
-           "head_targets", "train_medusa"]
+           "head_targets", "train_eagle", "train_heads", "train_medusa"]

@@ -78,7 +78,7 @@ def test_default_prompts_are_spec_bench():
 
 def test_parse_methods_and_gamma():
     assert parse_methods("pld,hf-ar") == ["ar", "pld", "hf-ar"]  # ar: the reference, always run
-    assert parse_methods("all") == [*(m for m in METHODS if m != "medusa"), *PEERS]
+    assert parse_methods("all") == [*(m for m in METHODS if m not in ("medusa", "eagle")), *PEERS]
     assert parse_methods("draft,ar,draft") == ["draft", "ar"]
     with pytest.raises(InvalidParameterError, match="unknown method 'bogus'"):
         parse_methods("ar,bogus")
@@ -192,15 +192,18 @@ def check_outputs(out: Path, methods: list[str]) -> dict:
 
 
 def tiny_heads(folder, out):
-    """Untrained Medusa heads for the HF folder's model, tied to its weight files."""
+    """Untrained Medusa and EAGLE heads for the HF folder's model, tied to its weight files: "medusa,eagle"."""
     import json
 
-    from draftwise.heads import HeadConfig, MedusaHeads, save_heads, target_identity
+    from draftwise.heads import EagleHead, HeadConfig, MedusaHeads, eagle_arch, save_heads, target_identity
 
     c = json.loads((folder / "config.json").read_text())
-    save_heads(MedusaHeads(HeadConfig("medusa", 2, c["hidden_size"], list(range(c["vocab_size"])), str(folder),
-                                      target_identity(folder))), out)
-    return str(out)
+    D, V, sha = c["hidden_size"], c["vocab_size"], target_identity(folder)
+    save_heads(MedusaHeads(HeadConfig("medusa", 2, D, list(range(V)), str(folder), sha)), out / "medusa")
+    hd = c.get("head_dim") or D // c["num_attention_heads"]
+    save_heads(EagleHead(HeadConfig("eagle", 2, D, list(range(V)), str(folder), sha,
+                                    arch=eagle_arch(D, hd, c.get("rope_theta", 10000.0), 1e-6))), out / "eagle")
+    return f"{out / 'medusa'},{out / 'eagle'}"
 
 
 def test_bench_tiny_every_method_and_peer(hf_folder, prompts_file, tmp_path):
@@ -209,6 +212,8 @@ def test_bench_tiny_every_method_and_peer(hf_folder, prompts_file, tmp_path):
                       prompts=str(prompts_file), limit=1, max_tokens=12, gamma="3", warmup_tokens=2,
                       bandwidth_gib=0.0625, heads=tiny_heads(hf_folder, tmp_path / "heads"))
     res = run_bench(cfg, progress=False)
+    fp = res["footprint"]  # every own method, head methods included, measured in its fresh process
+    assert all("error" not in fp[m] and fp[m]["new_tokens"] > 0 for m in methods if m in METHODS), fp
     report.write_outputs(res, tmp_path / "out")
     res = check_outputs(tmp_path / "out", methods)
     assert [p["category"] for p in res["per_prompt"]] == ["mt_bench", "qa", "translation"]

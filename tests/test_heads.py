@@ -1,4 +1,4 @@
-"""Draft heads (Medusa): tree building, training on the target's own predictions, files tied to their
+"""Draft heads (Medusa, EAGLE-style): tree building, training on the target's own predictions, files tied to their
 target, and lossless decoding through the one loop (greedy equality, sampled distribution)."""
 
 from __future__ import annotations
@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from draftwise.decode import Decoder, FixedGamma
+from draftwise.drafters.eagle import EagleDrafter
 from draftwise.drafters.medusa import MedusaDrafter
 from draftwise.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
-from draftwise.heads import HeadConfig, MedusaHeads, best_first_tree, load_heads
+from draftwise.heads import EagleHead, HeadConfig, MedusaHeads, best_first_tree, eagle_arch, load_heads, pick_heads, save_heads
 from draftwise.sampling import SamplingParams
 from draftwise.sequence import Sequence
-from draftwise.train_head import corpus_files, head_targets, train_medusa
+from draftwise.train_head import corpus_files, head_targets, train_eagle, train_medusa
 from tests.conftest import TINY_QWEN
 from tests.test_decode import PROMPTS, exact_joint, joint_pvalue, run
 
@@ -60,32 +61,45 @@ def test_medusa_greedy_equals_plain(tiny_target, gamma, branches):
     assert [s.output_ids for s in run(tiny_target, d, PROMPTS, params, gamma=gamma, rows=4)] == ref
 
 
-@pytest.mark.statistical
-def test_medusa_sampled_distribution_matches_target():
+def _sampled_pvalue(make_drafter, seed: int) -> float:
+    """Chi-square p-value of the first three sampled tokens under a head drafter (3-wide trees, γ 2) against
+    the exact joint distribution of a 6-token random target."""
     from draftwise.models.transformer import random_model
     from tests.conftest import TINY
 
     cfg = TINY.__class__(**{**TINY.to_dict(), "vocab_size": 6})
     target = random_model(cfg, seed=11)
-    hc = HeadConfig("medusa", 2, cfg.hidden_size, list(range(6)), "tiny", "abc")
-    heads = MedusaHeads(hc)
-    with torch.no_grad():
-        heads.out.weight.copy_(target.lm_head.weight)
     prompt = [1, 2, 3]
     params = SamplingParams(temperature=1.0, max_tokens=4)
     exact = exact_joint(target, prompt, params)
-    dec = Decoder(target, MedusaDrafter(heads.for_inference(), branches=3), FixedGamma(2), rows=1, capacity=64)
-    g = torch.Generator().manual_seed(5)
+    dec = Decoder(target, make_drafter(target), FixedGamma(2), rows=1, capacity=64)
+    g = torch.Generator().manual_seed(seed)
     seqs = (Sequence(prompt, params, generator=torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=g))))
             for _ in range(3000))
-    assert joint_pvalue(dec, seqs, exact) > 1e-3
+    return joint_pvalue(dec, seqs, exact)
 
 
-def test_train_save_load_and_target_check(tiny_target, tmp_path):
+def _untrained_medusa(target) -> MedusaDrafter:
+    heads = MedusaHeads(HeadConfig("medusa", 2, target.config.hidden_size, list(range(6)), "tiny", "abc"))
+    with torch.no_grad():
+        heads.out.weight.copy_(target.lm_head.weight)
+    return MedusaDrafter(heads.for_inference(), branches=3)
+
+
+@pytest.mark.statistical
+def test_medusa_sampled_distribution_matches_target():
+    assert _sampled_pvalue(_untrained_medusa, 5) > 1e-3
+
+
+def _add_corpus(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.py").write_text("def add(a, b):\n    return a + b\n" * 200)
-    files = corpus_files([str(corpus)])
+    return corpus_files([str(corpus)])
+
+
+def test_train_save_load_and_target_check(tiny_target, tmp_path):
+    files = _add_corpus(tmp_path)
     heads = train_medusa(tiny_target, ByteTokenizer(), target_name="tiny", target_sha="sha-of-tiny",
                          out=tmp_path / "heads", minutes=0.15, files=files, num_heads=2, vocab_size=64,
                          batch=64, lr=3e-3, log=lambda m: None, bar=False)
@@ -118,3 +132,93 @@ def test_corpus_refuses_the_benchmark(tmp_path):
 def test_medusa_needs_valid_branches(tiny_target):
     with pytest.raises(InvalidParameterError):
         MedusaDrafter(_heads(tiny_target), branches=0)
+
+
+# ---- EAGLE-style head -----------------------------------------------------------------------------------
+
+def _eagle(target, vocab=96, seed=0, scale=0.2) -> EagleHead:
+    c = target.config
+    head = EagleHead(HeadConfig("eagle", 3, c.hidden_size, list(range(vocab)), "tiny", "abc",
+                                arch=eagle_arch(c.hidden_size, c.head_dim, c.rope_theta, c.rms_eps)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.out.weight.copy_(target.lm_head.weight[:vocab])
+        for name, p in head.named_parameters():
+            if p.dim() == 2 and name != "out.weight":
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+    return head
+
+
+@pytest.mark.parametrize("gamma,branches", [(1, 1), (4, 1), (3, 2), (5, 4)])
+def test_eagle_greedy_equals_plain(tiny_target, gamma, branches):
+    params = SamplingParams(max_tokens=40)
+    ref = [s.output_ids for s in run(tiny_target, None, PROMPTS, params)]
+    head = _eagle(tiny_target).for_inference()
+    for rows in (1, 4):
+        d = EagleDrafter(head, tiny_target.embed, branches=branches)
+        seqs = run(tiny_target, d, PROMPTS, params, gamma=gamma, rows=rows)
+        assert [s.output_ids for s in seqs] == ref
+        assert sum(s.stats.drafted for s in seqs) > 0
+
+
+def test_eagle_training_passes_see_what_drafting_sees(tiny_target):
+    """Training-time test: pass 1 at position j equals the head's causal forward over the true context
+    (the drafter's catch-up), and pass 2 at j equals a depth-2 row drafting sees: the true positions up to
+    j-1 from the cache, then its own row fed pass 1's prediction made at j-1."""
+    head = _eagle(tiny_target, scale=0.3).eval()
+    C, D = 12, tiny_target.config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    feat, emb = torch.randn(1, C, D, generator=g), torch.randn(1, C, D, generator=g)
+    with torch.no_grad():
+        p1, p2 = head.train_passes(feat, emb, 2)
+        gg = head.inputs(feat, emb)
+        q, k, v = head.qkv_rope(gg, torch.arange(C)[None])
+        causal = torch.ones(C, C, dtype=torch.bool).tril()
+        torch.testing.assert_close(head.finish(gg, q, k, v, causal), p1, atol=1e-4, rtol=1e-4)
+        for j in range(1, C):
+            g2 = head.inputs(p1[:, j - 1:j], emb[:, j:j + 1])  # (1, 1, D)
+            q2, k2, v2 = head.qkv_rope(g2, torch.tensor([[j]]))
+            keys, values = torch.cat([k[:, :, :j], k2], 2), torch.cat([v[:, :, :j], v2], 2)
+            row = head.finish(g2, q2, keys, values, torch.ones(1, j + 1, dtype=torch.bool))
+            torch.testing.assert_close(row[0, 0], p2[0, j], atol=1e-4, rtol=1e-4)  # a wrong mask: O(1) off
+
+
+@pytest.mark.statistical
+def test_eagle_sampled_distribution_matches_target():
+    assert _sampled_pvalue(lambda t: EagleDrafter(_eagle(t, vocab=6, scale=0.1).for_inference(), t.embed,
+                                                  branches=3), 6) > 1e-3
+
+
+def test_train_eagle_then_decode(tiny_target, tmp_path):
+    files = _add_corpus(tmp_path)
+    head = train_eagle(tiny_target, ByteTokenizer(), target_name="tiny", target_sha="sha-of-tiny",
+                       out=tmp_path / "eagle", minutes=0.12, files=files, num_heads=3, vocab_size=64,
+                       log=lambda m: None, bar=False)
+    acc = head.cfg.trained["held_out_top1"]
+    assert len(acc) == 3 and acc[0] > 0.5 and acc[2] > 0.3, head.cfg.trained  # every depth learnt
+    loaded = load_heads(tmp_path / "eagle", "sha-of-tiny")
+    assert isinstance(loaded, EagleHead) and loaded.cfg.arch == head.cfg.arch
+    params = SamplingParams(max_tokens=40)
+    prompts = [[ord(c) % 96 for c in "def add(a, b):\n    return a + b\ndef "]]
+    ref = [s.output_ids for s in run(tiny_target, None, prompts, params)]
+    seqs = run(tiny_target, EagleDrafter(loaded.for_inference(), tiny_target.embed), prompts, params, gamma=4)
+    assert [s.output_ids for s in seqs] == ref
+    assert seqs[0].stats.accepted > 0.3 * seqs[0].stats.drafted  # a trained head is accepted
+    with pytest.raises(InvalidParameterError, match="another kind"):  # medusa into an eagle folder
+        train_medusa(tiny_target, ByteTokenizer(), target_name="tiny", target_sha="sha-of-tiny",
+                     out=tmp_path / "eagle", minutes=0.02, files=files, num_heads=3, vocab_size=64,
+                     log=lambda m: None, bar=False)
+
+
+def test_pick_heads_by_kind(tiny_target, tmp_path):
+    save_heads(_eagle(tiny_target), tmp_path / "e")
+    save_heads(MedusaHeads(HeadConfig("medusa", 2, TINY_QWEN.hidden_size, list(range(96)), "tiny", "abc")),
+               tmp_path / "m")
+    both = f"{tmp_path / 'm'},{tmp_path / 'e'}"
+    assert pick_heads(both, "eagle") == tmp_path / "e" and pick_heads(both, "medusa") == tmp_path / "m"
+    with pytest.raises(InvalidParameterError, match="needs eagle heads"):
+        pick_heads(str(tmp_path / "m"), "eagle")
+    with pytest.raises(ModelNotFoundError):
+        pick_heads(str(tmp_path / "nothing"), "eagle")
+    with pytest.raises(InvalidParameterError):
+        EagleDrafter(_eagle(tiny_target), tiny_target.embed, branches=0)

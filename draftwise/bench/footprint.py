@@ -57,6 +57,7 @@ def measure(methods: list[str], cfg, ids: list[int], llama_ctx: int | None, eos_
             log=None) -> dict:
     """{method: {peak_rss_mb, load_s, generate_s, wall_s, new_tokens} | {error}} for draftwise's own
     methods and the llama.cpp peers among ``methods``."""
+    from ..api import tree_options
     from .harness import LLAMA_PEERS, PEERS
 
     out: dict[str, dict] = {}
@@ -79,14 +80,16 @@ def measure(methods: list[str], cfg, ids: list[int], llama_ctx: int | None, eos_
                     "backend": cfg.backend, "method": m, "gamma": cfg.gamma, "ids": ids,
                     "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
                     "num_beams": cfg.num_beams, "length_penalty": cfg.length_penalty,
-                    "skip_layers": getattr(cfg, "skip_layers", None)}
+                    "skip_layers": getattr(cfg, "skip_layers", None),
+                    "drafter_options": tree_options(m, getattr(cfg, "tree_width", None), getattr(cfg, "heads", None),
+                                                    getattr(cfg, "lookahead", None))}
             out[m] = run_child([sys.executable, "-m", "draftwise.bench.footprint", "own", json.dumps(spec)])
     return out
 
 
 def _own_child(spec: dict) -> dict:
     t0 = time.perf_counter()
-    from ..api import SpeculativeDecoder, uses_draft_model
+    from ..api import HEAD_METHODS, SpeculativeDecoder, uses_draft_model
     from ..sampling import SamplingParams
 
     t_import = time.perf_counter() - t0
@@ -95,10 +98,13 @@ def _own_child(spec: dict) -> dict:
                             backend=spec["backend"], progress=False, skip_layers=spec.get("skip_layers"))
     if uses_draft_model(spec["method"]):
         dw.draft  # noqa: B018  (the draft model loads lazily: count it in the load)
+    opts = spec.get("drafter_options") or {}
+    if spec["method"] in HEAD_METHODS and opts.get("heads"):
+        dw.heads(opts["heads"], spec["method"])  # the heads too
     load = time.perf_counter() - t1
     params = SamplingParams(temperature=spec["temperature"], max_tokens=spec["max_tokens"], seed=spec["seed"])
     t2 = time.perf_counter()
-    r = dw.generate(spec["ids"], params, method=spec["method"], gamma=spec["gamma"],
+    r = dw.generate(spec["ids"], params, method=spec["method"], gamma=spec["gamma"], drafter_options=dict(opts),
                     num_beams=spec.get("num_beams", 4), length_penalty=spec.get("length_penalty", 1.0))
     gen = time.perf_counter() - t2
     return {"import_s": t_import, "load_s": load, "generate_s": gen, "new_tokens": len(r.token_ids),

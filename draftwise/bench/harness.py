@@ -88,7 +88,7 @@ class BenchConfig:
     footprint: bool = True  # peak RSS and load time per method, each in a fresh process
     num_beams: int = 4  # method "beam"
     tree_width: int | None = None  # the *-tree methods' branches (None: TREE_WIDTH), suffix's nodes
-    heads: str | None = None  # draft heads folder (method medusa)
+    heads: str | None = None  # draft heads folder(s), comma-separated (methods medusa, eagle)
     lookahead: str | None = None  # method lookahead's "W,N,G" (None: its defaults)
     skip_layers: str | None = None  # method layerskip: the layers skipped (None: the calibrated set)
     length_penalty: float = 1.0
@@ -207,7 +207,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
     cfg.gamma = parse_gamma(cfg.gamma)
     methods = cfg.methods = parse_methods(",".join(cfg.methods))
     if any(m in HEAD_METHODS for m in methods) and not cfg.heads:  # fail before loading anything
-        raise InvalidParameterError("method medusa needs draft heads: --heads DIR (`draftwise train-head`)")
+        raise InvalidParameterError("methods medusa and eagle need draft heads: --heads DIR[,DIR] "
+                                    "(`draftwise train-head --kind medusa|eagle`)")
     if BEAM in methods:  # greedy only: fail before loading anything
         from ..beam import check_beam_params
         from ..sampling import SamplingParams

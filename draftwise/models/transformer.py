@@ -207,8 +207,10 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all",
-                layers: tuple[int, ...] | None = None) -> ModelOutput:
+                layers: tuple[int, ...] | None = None, all_hidden: bool = False) -> ModelOutput:
         # input_ids: (B, T) new tokens of cache rows 0..B-1; attn_mask: (B, T, T) bool or None (causal)
+        # all_hidden: ModelOutput.hidden holds every position's final state (B, T, D), whatever logits_for
+        # says (a draft head's context after the prefill: drafters/eagle.py); the logits are unchanged
         # layers: indices of the decoder layers to run, increasing (None: all). A skipped layer passes the
         # hidden state through unchanged and its cache entries are not written (layer-skip drafting:
         # drafters/layerskip.py); the final norm and LM head always run.
@@ -227,12 +229,13 @@ class Transformer(nn.Module):
                 h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree)
                 h = h + layer.mlp(layer.mlp_norm(h))
         cache.lengths[:B] += T
+        every = self.norm(h) if all_hidden else None  # (B, T, D)
         if isinstance(logits_for, torch.Tensor):  # one position per row
             h = h[torch.arange(B), logits_for].unsqueeze(1)
         elif logits_for == "last":
             h = h[:, -1:]
         h = self.norm(h)  # (B, T', D)
-        return ModelOutput(logits=self.lm_head(h).float(), hidden=h)
+        return ModelOutput(logits=self.lm_head(h).float(), hidden=h if every is None else every)
 
 
 class Concat(nn.Module):
