@@ -90,6 +90,8 @@ def collect_features(model, tokenizer, files: list[Path], seconds: float, max_po
                      batch: int = 8):
     """(hidden (N, D) bf16, greedy next token (N,), chunk id (N,), corpus token (N,)) over full corpus
     chunks of CHUNK tokens, ``batch`` chunks per target forward, within ``seconds``."""
+    from .kernels import fp32_gemm
+
     hs, labels, toks = [], [], []
     n, t0 = 0, time.perf_counter()
     cache = model.new_cache(batch, CHUNK)
@@ -100,7 +102,8 @@ def collect_features(model, tokenizer, files: list[Path], seconds: float, max_po
             break
         view = cache.view(slice(0, len(group)))
         view.reset()
-        out = model.forward(torch.tensor(group), view, logits_for="all")  # (b, CHUNK, V)
+        with fp32_gemm():  # features need no bit-exactness: the fastest GEMM this CPU has
+            out = model.forward(torch.tensor(group), view, logits_for="all")  # (b, CHUNK, V)
         hs.append(out.hidden.reshape(-1, out.hidden.shape[-1]).to(torch.bfloat16))
         labels.append(out.logits.argmax(-1).reshape(-1))
         toks.append(torch.tensor(group).reshape(-1))

@@ -372,3 +372,20 @@ def test_bf16_dequantize_for_long_prefills_matches_reference(bits, group):
     assert torch.equal(extension().dequantize_bf16(q, scale, minv, group, bits), ref)
     assert torch.equal(extension().dequantize_bf16(q, scale, torch.empty(0), group, bits),
                        dequantize(q, scale, None, group, bits).to(torch.bfloat16))
+
+
+def test_fp32_gemm_block_for_training_features():
+    """Inside ``fp32_gemm`` a many-row call is the de-quantized fp32 matmul (training features); few rows,
+    and every call outside it, stay on the kernel's exact path."""
+    from draftwise.kernels import BULK_MIN_ROWS, fp32_gemm
+
+    g = torch.Generator().manual_seed(4)
+    lin = QLinear(*quantize_rtn(torch.randn(24, 128, generator=g), 4, 32), 32, 4)
+    x = torch.randn(BULK_MIN_ROWS + 8, 128, generator=g)
+    ref = x @ dequantize(lin.q, lin.scale, lin.minv, 32, 4).t()
+    exact = lin(x)
+    with fp32_gemm():
+        fast = lin(x)
+        few = lin(x[:3])
+    torch.testing.assert_close(fast, ref)
+    assert torch.equal(few, lin(x[:3])) and torch.equal(lin(x), exact)

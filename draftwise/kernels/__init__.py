@@ -75,6 +75,20 @@ def bulk(enabled: bool = True):
         yield
     finally:
         _mode.bulk = prev
+@contextlib.contextmanager
+def fp32_gemm():
+    """Within this block, linears over many rows that do not take the bf16 bulk path de-quantize their
+    weights to fp32 and use torch's fp32 GEMM, on any CPU: for work whose numbers no decoding output
+    depends on (a draft head's training features). On CPUs without bf16 matrix hardware it runs ~2x the
+    int8 kernel's speed (AMD EPYC family 23: 67 GFLOP/s against ~35 GOP/s)."""
+    prev = getattr(_mode, "gemm32", False)
+    _mode.gemm32 = True
+    try:
+        yield
+    finally:
+        _mode.gemm32 = prev
+
+
 _ext = None
 _ext_lock = threading.Lock()
 _ext_failed = False
@@ -349,6 +363,8 @@ class QLinear(nn.Module):
             else:
                 w = dequantize(self.q, scale, minv, self.group, self.bits).to(torch.bfloat16)
             y = (x2.to(torch.bfloat16) @ w.t()).float()
+        elif getattr(_mode, "gemm32", False) and x2.shape[0] > BULK_MIN_ROWS:
+            y = x2 @ dequantize(self.q, scale, minv, self.group, self.bits).t()
         elif ext is not None:
             y = ext.qmm(x2, self.q, scale, minv, self.group, self.bits, self.act_bits)
         else:
