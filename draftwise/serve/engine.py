@@ -143,11 +143,12 @@ class ServeDrafter:
         return all(s.attached for s in seqs)
 
     def detach(self, seqs: list[Sequence]) -> None:
-        self.attach_new = False
         for s in seqs:
             if s.attached:
                 self.inner.release(s)
                 s.attached, s.drafter_state = False, None
+        # last: another thread that sees speculation off (Engine.speculation_on) sees every row detached
+        self.attach_new = False
 
     def start(self, seq: Sequence, *, hidden=None) -> None:
         if self.attach_new:
