@@ -2,10 +2,14 @@
 
 Self-distillation in two phases within ``--minutes``:
 
-1. **Features** (up to half the budget): the target reads corpus text in chunks; at every position its
-   final hidden state h_t and its own greedy next token a_t (what it would write there) are recorded,
-   with the corpus token. Labels are the target's predictions, never the corpus text, so the heads learn
-   the target.
+1. **Features** (up to half the budget), in records of CHUNK tokens: at every position the target's final
+   hidden state h_t and its own greedy next token a_t (what it would write there) are recorded, with the
+   token. Labels are the target's predictions, never a corpus text, so the heads learn the target. Two
+   sources (``--corpus``, repeatable; the budget is shared equally):
+   - ``self`` (the default): the target *writes* the corpus — batched greedy answers to prompts built from
+     offline material (selfgen.py), prompt positions included; the distribution it drafts on.
+   - a text file or folder: the target *reads* it in chunks (twice as many positions per second as
+     writing, but text the target would not write).
 2. **Training** (cross-entropy over the draft vocabulary: the most frequent target predictions), AdamW,
    with checkpoints every minute; held-out top-1 accuracy per head (medusa) or per drafted depth (eagle)
    is written into the head's config.
@@ -16,9 +20,9 @@ Self-distillation in two phases within ``--minutes``:
 Resumable: the features are saved in ``OUT/features.safetensors`` and the heads at each checkpoint; a
 second run with the same ``--out`` continues from both.
 
-The corpus must exist offline and must not be the benchmark: the Python standard library's sources
-(code and docstrings) and the text files (README, docs) installed packages ship. Spec-Bench prompts are
-refused (``--corpus`` pointing into a ``spec_bench`` folder is an error).
+The corpus must exist offline and must not be the benchmark: the self-written answers' prompts come from
+the Python standard library's sources and the text files installed packages ship (selfgen.py); Spec-Bench
+prompts are refused (``--corpus`` pointing into a ``spec_bench`` folder is an error).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from .heads import HeadConfig, eagle_arch, load_heads, new_head, save_heads, tar
 
 KINDS = ("medusa", "eagle")
 FEATURES = "features.safetensors"
-CHUNK = 256  # tokens per target forward while collecting features
+CHUNK = 256  # tokens per record (a target forward over text; a prompt + answer when self-generated)
+SELF = "self"  # --corpus self: the target writes its own corpus (selfgen.py)
+STDLIB = "stdlib"  # --corpus stdlib: the target reads the Python stdlib's sources and the packages' docs
 
 
 def default_corpus() -> list[Path]:
@@ -53,10 +59,16 @@ def default_corpus() -> list[Path]:
 
 
 def corpus_files(spec: list[str] | None) -> list[Path]:
+    """The text files of the text entries of ``--corpus`` ("stdlib": the Python standard library and the
+    packages' docs; a file or folder), [] when there are none."""
+    spec = [s for s in spec or [] if s != SELF]
     if not spec:
-        return default_corpus()
+        return []
     out: list[Path] = []
     for s in spec:
+        if s == STDLIB:
+            out += default_corpus()
+            continue
         p = Path(s)
         if "spec_bench" in p.resolve().as_posix():
             raise InvalidParameterError(f"{s!r} is the benchmark (Spec-Bench): heads are never trained on it")
@@ -89,7 +101,8 @@ def _chunks(files: list[Path], tokenizer, seed: int = 0):
 def collect_features(model, tokenizer, files: list[Path], seconds: float, max_positions: int, progress=None,
                      batch: int = 8):
     """(hidden (N, D) bf16, greedy next token (N,), chunk id (N,), corpus token (N,)) over full corpus
-    chunks of CHUNK tokens, ``batch`` chunks per target forward, within ``seconds``."""
+    chunks of CHUNK tokens, ``batch`` chunks per target forward, within ``seconds`` (text read: every
+    position valid)."""
     from .kernels import fp32_gemm
 
     hs, labels, toks = [], [], []
@@ -117,6 +130,41 @@ def collect_features(model, tokenizer, files: list[Path], seconds: float, max_po
     return torch.cat(hs), labels_all, torch.arange(len(labels_all)) // CHUNK, torch.cat(toks)
 
 
+def gather_features(model, tokenizer, corpus: list[str], seconds: float, max_positions: int, prog=None,
+                    seed: int = 0) -> dict[str, torch.Tensor]:
+    """Features from every source in ``corpus`` ("self" and/or text paths; the time and position budgets
+    shared equally), as records of CHUNK positions shuffled together: {hidden (N, D) bf16, labels (N,) the
+    target's greedy next token or -1, tokens (N,), valid (N,) bool}."""
+    from .selfgen import generate_features
+
+    texts = [c for c in corpus if c != SELF]
+    sources = ([SELF] if SELF in corpus else []) + (["text"] if texts else [])
+    parts = []
+    for src in sources:
+        task = prog.add_task(f"features ({'self-written' if src == SELF else 'text'})", total=seconds / len(sources),
+                             info="") if prog is not None else None
+
+        def progress(n, s, task=task):
+            if prog is not None:
+                prog.update(task, completed=s, info=f"{n} positions, {n / max(s, 1e-9):.0f}/s")
+
+        if src == SELF:
+            h, y, tok, valid = generate_features(model, tokenizer, seconds / len(sources),
+                                                 max_positions // len(sources), record=CHUNK, seed=seed,
+                                                 progress=progress)
+        else:
+            h, y, _, tok = collect_features(model, tokenizer, corpus_files(texts), seconds / len(sources),
+                                            max_positions // len(sources), progress)
+            valid = torch.ones_like(y, dtype=torch.bool)
+        if prog is not None:
+            prog.update(task, completed=seconds / len(sources))
+        parts.append((h, y, tok, valid))
+    hidden, labels, tokens, valid = (torch.cat(x) for x in zip(*parts))
+    order = torch.randperm(hidden.shape[0] // CHUNK, generator=torch.Generator().manual_seed(seed))
+    pos = (order[:, None] * CHUNK + torch.arange(CHUNK)).reshape(-1)  # whole records, shuffled
+    return {"hidden": hidden[pos].contiguous(), "labels": labels[pos], "tokens": tokens[pos], "valid": valid[pos]}
+
+
 def head_targets(labels: torch.Tensor, chunk_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
     """(K, N) label of head k at position t: the target's greedy token a_{t+k}, or -1 past its chunk."""
     N = labels.shape[0]
@@ -138,12 +186,13 @@ def output_rows(lm_head, rows: torch.Tensor) -> torch.Tensor:
 
 
 def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, target_sha: str, out: Path,
-                minutes: float, files: list[Path], num_heads: int = 3, vocab_size: int = 8192,
+                minutes: float, corpus: list[str] | None = None, num_heads: int = 3, vocab_size: int = 8192,
                 batch: int | None = None, lr: float | None = None, max_positions: int = 400_000,
-                corpus: str = "", log=print, bar=True):
-    """Collect features (or reuse OUT/features.safetensors), then train the heads (``kind`` medusa: K
-    heads; eagle: one layer, ``num_heads`` training-time-test depths) for the rest of ``minutes``;
-    checkpoints in ``out``. Returns the trained heads."""
+                log=print, bar=True):
+    """Collect features from ``corpus`` (``--corpus`` entries: "self" and/or text paths; default "self"),
+    or reuse OUT/features.safetensors, then train the heads (``kind`` medusa: K heads; eagle: one layer,
+    ``num_heads`` training-time-test depths) for the rest of ``minutes``; checkpoints in ``out``. Returns
+    the trained heads."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
     from safetensors.torch import load_file, save_file
 
@@ -152,6 +201,9 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
     if minutes <= 0:
         raise InvalidParameterError(f"--minutes must be > 0, got {minutes}")
     eagle = kind == "eagle"
+    corpus = list(corpus or [SELF])
+    corpus_files(corpus)  # a bad or benchmark path is an error before any work
+    corpus_name = ", ".join(corpus)
     batch = batch or (8 if eagle else 256)  # eagle: windows of _EagleData.WINDOW positions; medusa: positions
     lr = lr or (3e-3 if eagle else 1e-3)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,21 +215,17 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
                   TimeRemainingColumn(), disable=not bar, transient=False) as prog:
         feat_file = out / FEATURES
         f = load_file(str(feat_file)) if feat_file.is_file() else None
-        if f is not None and ("tokens" not in f or f["hidden"].shape[1] != D):
+        if f is not None and ("valid" not in f or f["hidden"].shape[1] != D):
             log(f"train-head: {feat_file} holds features of another model or an older version; collecting anew")
             f = None
         if f is not None:
-            hidden, labels, chunk_ids, tokens = f["hidden"], f["labels"], f["chunk_ids"], f["tokens"]
-            log(f"train-head: reusing {hidden.shape[0]} positions of features from {feat_file}")
+            log(f"train-head: reusing {int(f['valid'].sum())} positions of features from {feat_file}")
         else:
-            task = prog.add_task("features", total=budget / 2, info="")
-            hidden, labels, chunk_ids, tokens = collect_features(
-                model, tokenizer, files, budget / 2, max_positions,
-                lambda n, s: prog.update(task, completed=s, info=f"{n} positions, {n / max(s, 1e-9):.0f}/s"))
-            prog.update(task, completed=budget / 2)
-            save_file({"hidden": hidden.contiguous(), "labels": labels, "chunk_ids": chunk_ids, "tokens": tokens},
-                      str(feat_file))
-        vocab = torch.bincount(labels, minlength=cfg_m.vocab_size).topk(
+            f = gather_features(model, tokenizer, corpus, budget / 2, max_positions, prog)
+            save_file(f, str(feat_file))
+        hidden, labels, tokens, valid = f["hidden"], f["labels"], f["tokens"], f["valid"]
+        chunk_ids = torch.arange(hidden.shape[0]) // CHUNK
+        vocab = torch.bincount(labels[labels >= 0], minlength=cfg_m.vocab_size).topk(
             min(vocab_size, cfg_m.vocab_size)).indices.sort().values
         to_draft = torch.full((cfg_m.vocab_size,), -1, dtype=torch.long)
         to_draft[vocab] = torch.arange(len(vocab))
@@ -193,17 +241,18 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
             with torch.no_grad():
                 heads.out.weight.copy_(output_rows(model.lm_head, vocab))
                 if eagle:  # the features' scale, so that the head starts as the identity on them
-                    heads.norm_f.fill_(float(hidden[:4096].float().pow(2).mean().sqrt()))
+                    heads.norm_f.fill_(float(hidden[valid][:4096].float().pow(2).mean().sqrt()))
         heads.out.requires_grad_(False)  # the target's own head, restricted: the rest learns
-        task_data = (_EagleData if eagle else _MedusaData)(model, hidden, labels, chunk_ids, tokens, to_draft,
-                                                          num_heads)
+        task_data = (_EagleData if eagle else _MedusaData)(model, hidden, labels, chunk_ids, tokens, valid,
+                                                          to_draft, num_heads)
         opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
         g = torch.Generator().manual_seed(0)
         left = budget - (time.perf_counter() - t_start)
         task = prog.add_task("training", total=max(left, 1.0), info="")
         t0 = last_ckpt = time.perf_counter()
         steps, loss_ema = int(heads.cfg.trained.get("steps", 0)), None
-        ckpt = lambda: _checkpoint(heads, out, steps, hidden.shape[0], minutes, corpus, task_data)  # noqa: E731
+        ckpt = lambda: _checkpoint(heads, out, steps, int(valid.sum()), minutes, corpus_name,  # noqa: E731
+                                   task_data)
         while time.perf_counter() - t_start < budget:
             loss = task_data.loss(heads, task_data.sample(batch, g))
             opt.zero_grad()
@@ -219,7 +268,7 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
                 last_ckpt = time.perf_counter()
         acc = ckpt()
     what = "head" if eagle else "heads"
-    log(f"train-head: {steps} steps on {hidden.shape[0]} positions; held-out top-1 accuracy per "
+    log(f"train-head: {steps} steps on {int(valid.sum())} positions; held-out top-1 accuracy per "
         f"{'depth' if eagle else what}: " + ", ".join(f"{a:.3f}" for a in acc) + f"; wrote {out}")
     return heads
 
@@ -235,14 +284,17 @@ def train_eagle(model, tokenizer, **kw):
 class _MedusaData:
     """Positions: head k learns the target's greedy token a_{t+k} from h_t. The last 5% held out."""
 
-    def __init__(self, model, hidden, labels, chunk_ids, tokens, to_draft, K):
+    def __init__(self, model, hidden, labels, chunk_ids, tokens, valid, to_draft, K):
         targets = head_targets(labels, chunk_ids, K)  # (K, N)
         self.hidden = hidden
         self.y = torch.where(targets >= 0, to_draft[targets.clamp_min(0)], torch.full_like(targets, -1))  # (K, N)
-        self.n_val = max(1, hidden.shape[0] // 20)  # whole chunks at the end of the shuffled corpus
+        n_chunks = max(1, hidden.shape[0] // CHUNK)
+        self.n_val = max(1, n_chunks // 20) * CHUNK if n_chunks > 1 else max(1, hidden.shape[0] // 20)
+        # whole records at the end of the shuffled corpus are held out; training samples real positions only
+        self.train_pos = valid[:hidden.shape[0] - self.n_val].nonzero().squeeze(1)
 
     def sample(self, batch, g):
-        return torch.randint(0, self.hidden.shape[0] - self.n_val, (batch,), generator=g)
+        return self.train_pos[torch.randint(0, len(self.train_pos), (batch,), generator=g)]
 
     def loss(self, heads, idx):
         logits = heads(self.hidden[idx].float())  # (K, B, Vd)
@@ -265,21 +317,27 @@ class _EagleData:
     REG = 1.0  # weight of the feature regression beside the token loss
     WINDOW = 32  # positions per training window: short windows, more steps per minute (measured best of 32/96)
 
-    def __init__(self, model, hidden, labels, chunk_ids, tokens, to_draft, passes):
+    def __init__(self, model, hidden, labels, chunk_ids, tokens, valid, to_draft, passes):
         C = CHUNK
         n = hidden.shape[0] // C
         self.model, self.passes = model, passes
         self.hidden = hidden[:n * C].view(n, C, -1)  # (n, C, D)
         self.tokens = tokens[:n * C].view(n, C)
-        self.y = to_draft[labels[:n * C].view(n, C)]  # (n, C) draft-vocabulary id of the target's next token, or -1
+        y = labels[:n * C].view(n, C)
+        # (n, C) draft-vocabulary id of the target's next token, or -1 (outside the draft vocabulary, padding)
+        self.y = torch.where(y >= 0, to_draft[y.clamp_min(0)], torch.full_like(y, -1))
+        self.valid = valid[:n * C].view(n, C)  # (n, C) real positions (a record is a prefix of real ones)
+        self.lens = self.valid.sum(1)  # (n,)
         self.n_val = max(1, n // 20)
         self.n_train = max(1, n - self.n_val)
 
     def sample(self, batch, g):
-        """(chunk, window start) of ``batch`` training windows of WINDOW + 1 positions."""
+        """(record, window start) of ``batch`` training windows of WINDOW + 1 positions, starting where the
+        window fits inside the record's real positions (or at 0 for a shorter record)."""
         W = min(self.WINDOW, CHUNK - 1)
-        return (torch.randint(0, self.n_train, (batch,), generator=g),
-                torch.randint(0, CHUNK - W, (batch,), generator=g))
+        c = torch.randint(0, self.n_train, (batch,), generator=g)
+        room = (self.lens[c] - W).clamp_min(1)  # (batch,) window starts that keep it inside the record
+        return c, (torch.rand(batch, generator=g) * room).long()
 
     def _outs(self, heads, sel):
         c, s0 = sel
@@ -289,23 +347,26 @@ class _EagleData:
         feat = self.hidden[rows, j[:, :-1]].float()  # (B, W, D) f_j
         with torch.no_grad():
             emb = self.model.embed(self.tokens[rows, j[:, 1:]]).float().clone()  # (B, W, D) e(x_{j+1})
-        return heads.train_passes(feat, emb, self.passes), self.hidden[rows, j[:, 1:]].float(), self.y[rows, j[:, 1:]]
+        return (heads.train_passes(feat, emb, self.passes), self.hidden[rows, j[:, 1:]].float(),
+                self.y[rows, j[:, 1:]], self.valid[rows, j[:, 1:]])
 
     def loss(self, heads, idx):
-        outs, f_next, y = self._outs(heads, idx)
+        outs, f_next, y, real = self._outs(heads, idx)  # real: (B, W) f_{j+1} is a recorded state
         total = 0.0
         for p, f in enumerate(outs):  # pass p+1 is meaningful from position p on
             logits = heads.logits(f[:, p:])
+            m = real[:, p:].unsqueeze(-1).float()  # (B, W-p, 1)
+            reg = (F.smooth_l1_loss(f[:, p:], f_next[:, p:], reduction="none") * m).sum() \
+                / (m.sum() * f.shape[-1]).clamp_min(1.0)
             total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, p:].reshape(-1),
-                                            ignore_index=-1) \
-                + self.REG * F.smooth_l1_loss(f[:, p:], f_next[:, p:])
+                                            ignore_index=-1) + self.REG * reg
         return total / len(outs)
 
     @torch.no_grad()
     def held_out(self, heads) -> list[float]:
         idx = torch.arange(self.n_train, self.n_train + self.n_val)[:16] if self.n_train < self.hidden.shape[0] \
             else torch.arange(0, min(16, self.n_train))
-        outs, _, y = self._outs(heads, (idx, None))  # whole chunks
+        outs, _, y, _ = self._outs(heads, (idx, None))  # whole records
         acc = []
         for p, f in enumerate(outs):
             yy = y[:, p:]
@@ -330,7 +391,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for the heads (config.json + heads.safetensors)")
     p.add_argument("--minutes", type=float, default=30.0, help="time budget, features + training (default 30)")
     p.add_argument("--corpus", action="append", default=None,
-                   help="text file or folder (repeatable); default: the Python stdlib and packages' docs")
+                   help="repeatable: 'self' (the target answers prompts built from offline material and learns "
+                        "from its own answers), 'stdlib' (reads the Python stdlib and packages' docs), or a text "
+                        "file or folder; several share the budget (default: self)")
     p.add_argument("--num-heads", type=int, default=3,
                    help="medusa: heads; eagle: depths trained by training-time test (default 3)")
     p.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary rows (default 8192)")
@@ -343,17 +406,15 @@ def cmd_train_head(args) -> int:
 
     if args.num_heads < 1 or args.vocab_size < 16:
         raise InvalidParameterError("--num-heads must be >= 1 and --vocab-size >= 16")
-    files = corpus_files(args.corpus)
+    corpus_files(args.corpus)  # a bad path is an error before the model loads
     _setup_threads(args)
     lm = load_model(args.target, args.dtype, "native")
     sha = target_identity(resolve(args.target, progress=False))
     train_heads(lm.model, lm.tokenizer, kind=args.kind, target_name=args.target, target_sha=sha,
-                out=Path(args.out), minutes=args.minutes, files=files, num_heads=args.num_heads,
-                vocab_size=args.vocab_size,
-                corpus=", ".join(args.corpus) if args.corpus else "python stdlib + installed packages' docs",
-                log=lambda m: print(m, file=sys.stderr))
+                out=Path(args.out), minutes=args.minutes, corpus=args.corpus, num_heads=args.num_heads,
+                vocab_size=args.vocab_size, log=lambda m: print(m, file=sys.stderr))
     return 0
 
 
 __all__ = ["add_arguments", "cmd_train_head", "collect_features", "corpus_files", "default_corpus",
-           "head_targets", "train_eagle", "train_heads", "train_medusa"]
+           "gather_features", "head_targets", "train_eagle", "train_heads", "train_medusa"]

@@ -95,13 +95,13 @@ def _add_corpus(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.py").write_text("def add(a, b):\n    return a + b\n" * 200)
-    return corpus_files([str(corpus)])
+    return [str(corpus)]
 
 
 def test_train_save_load_and_target_check(tiny_target, tmp_path):
-    files = _add_corpus(tmp_path)
+    corpus = _add_corpus(tmp_path)
     heads = train_medusa(tiny_target, ByteTokenizer(), target_name="tiny", target_sha="sha-of-tiny",
-                         out=tmp_path / "heads", minutes=0.15, files=files, num_heads=2, vocab_size=64,
+                         out=tmp_path / "heads", minutes=0.15, corpus=corpus, num_heads=2, vocab_size=64,
                          batch=64, lr=3e-3, log=lambda m: None, bar=False)
     acc = heads.cfg.trained["held_out_top1"]
     assert heads.cfg.trained["steps"] > 10 and acc[0] > 0.3, heads.cfg.trained  # learnt the target's next-next token
@@ -114,7 +114,7 @@ def test_train_save_load_and_target_check(tiny_target, tmp_path):
         load_heads(tmp_path / "nothing-here")
     # resumable: a second run reuses the features and continues from the saved heads
     again = train_medusa(tiny_target, ByteTokenizer(), target_name="tiny", target_sha="sha-of-tiny",
-                         out=tmp_path / "heads", minutes=0.05, files=files, num_heads=2, vocab_size=64,
+                         out=tmp_path / "heads", minutes=0.05, corpus=corpus, num_heads=2, vocab_size=64,
                          batch=64, log=lambda m: None, bar=False)
     assert again.cfg.trained["steps"] > heads.cfg.trained["steps"]
 
@@ -190,9 +190,9 @@ def test_eagle_sampled_distribution_matches_target():
 
 
 def test_train_eagle_then_decode(tiny_target, tmp_path):
-    files = _add_corpus(tmp_path)
+    corpus = _add_corpus(tmp_path)
     head = train_eagle(tiny_target, ByteTokenizer(), target_name="tiny", target_sha="sha-of-tiny",
-                       out=tmp_path / "eagle", minutes=0.12, files=files, num_heads=3, vocab_size=64,
+                       out=tmp_path / "eagle", minutes=0.12, corpus=corpus, num_heads=3, vocab_size=64,
                        log=lambda m: None, bar=False)
     acc = head.cfg.trained["held_out_top1"]
     assert len(acc) == 3 and acc[0] > 0.5 and acc[2] > 0.3, head.cfg.trained  # every depth learnt
@@ -206,7 +206,7 @@ def test_train_eagle_then_decode(tiny_target, tmp_path):
     assert seqs[0].stats.accepted > 0.3 * seqs[0].stats.drafted  # a trained head is accepted
     with pytest.raises(InvalidParameterError, match="another kind"):  # medusa into an eagle folder
         train_medusa(tiny_target, ByteTokenizer(), target_name="tiny", target_sha="sha-of-tiny",
-                     out=tmp_path / "eagle", minutes=0.02, files=files, num_heads=3, vocab_size=64,
+                     out=tmp_path / "eagle", minutes=0.02, corpus=corpus, num_heads=3, vocab_size=64,
                      log=lambda m: None, bar=False)
 
 

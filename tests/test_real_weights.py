@@ -149,7 +149,7 @@ def test_eagle_head_trained_on_smollm_is_lossless(smollm, tmp_path):
     files = [stdlib / f for f in ("heapq.py", "bisect.py", "functools.py", "textwrap.py")]
     sha = target_identity(resolve("smollm2-135m-instruct", progress=False))
     train_eagle(smollm.model, smollm.tokenizer, target_name="smollm2-135m-instruct", target_sha=sha,
-                out=tmp_path / "eagle", minutes=0.5, files=files, num_heads=2, vocab_size=4096,
+                out=tmp_path / "eagle", minutes=0.5, corpus=[str(f) for f in files], num_heads=2, vocab_size=4096,
                 log=lambda m: None, bar=False)
     sd = SpeculativeDecoder(smollm, None, progress=False)
     drafted = accepted = 0
