@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -108,6 +109,7 @@ class SpeculativeDecoder:
         self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype, backend, progress)
         self._draft_ref = draft
         self._heads: dict[str, object] = {}
+        self._target_id: tuple[Path | str, str] | None = None  # _target_file()
         self._auto: dict[str, AdaptiveGamma] = {}  # per method: step costs are learned across requests
         self._target_costs: dict[int, float] = {}  # measured forward seconds over T new tokens (prime)
         self._draft_cost: float | None = None
@@ -132,17 +134,17 @@ class SpeculativeDecoder:
             self._draft = d
         return self._draft
 
-    def heads(self, spec: str, kind: str = "medusa"):
-        """The ``kind`` draft heads among ``spec`` (a folder, or folders separated by commas), loaded once
-        and checked against this target's weight file."""
-        from .heads import load_heads, pick_heads, target_identity
-        from .models.registry import resolve
+    def heads(self, spec: str | None, kind: str = "medusa"):
+        """The ``kind`` draft heads among ``spec`` (a folder, or folders separated by commas; None: the ones
+        ``draftwise train-head`` wrote for this target by default), loaded once and checked against this
+        target's weight file."""
+        from .heads import load_heads, resolve_heads
 
         if self.backend != "native":
             raise InvalidParameterError("draft heads need the native backend")
-        folder = str(pick_heads(spec, kind))
+        src, sha = self._target_file()
+        folder = str(resolve_heads(spec, kind, src, sha, self.target.name))
         if folder not in self._heads:
-            sha = target_identity(resolve(self.target.name, progress=False))
             self._heads[folder] = load_heads(folder, sha).for_inference()
         return self._heads[folder]
 
@@ -172,17 +174,27 @@ class SpeculativeDecoder:
             self._skip_plans[key] = plan
         return self._skip_plans[key]
 
+    def _target_file(self) -> tuple[Path | str, str]:
+        """(the target's weight file or folder, its identity: sha256, or "name:..." for a model built in
+        memory), computed once: hashing a weight file that has no sha256 sidecar reads it whole."""
+        if self._target_id is None:
+            from .heads import target_identity
+            from .models.registry import resolve
+
+            try:
+                src = resolve(self.target.name, progress=False)
+                self._target_id = (src, target_identity(src))
+            except Exception:  # a model built in memory: known by its name only
+                self._target_id = (self.target.name, f"name:{self.target.name}")
+        return self._target_id
+
     def _calibrated_skip_plan(self):
         import sys
 
         from .drafters import layerskip as ls
-        from .heads import target_identity
-        from .models.registry import draftwise_home, resolve
+        from .models.registry import draftwise_home
 
-        try:
-            identity = target_identity(resolve(self.target.name, progress=False))
-        except Exception:  # a model built in memory: known by its name only
-            identity = f"name:{self.target.name}"
+        identity = self._target_file()[1]
         path = ls.plan_path(draftwise_home(), identity, self.target.weights, self.target.name)
         plan = ls.load_plan(path, self.target.config.num_layers)
         if plan is not None:
@@ -265,10 +277,7 @@ class SpeculativeDecoder:
         if method == AUTO:
             return self._auto_drafter(rows, capacity, **opts)
         if method in HEAD_METHODS:
-            heads = opts.pop("heads", None)
-            if not heads:
-                raise InvalidParameterError(f"method {method!r} needs draft heads (--heads DIR, trained with "
-                                            f"`draftwise train-head --kind {method}`)")
+            heads = opts.pop("heads", None)  # None: the target's default heads folder
             opts["branches"] = opts.get("branches", TREE_WIDTH)
             if method == "eagle":
                 from .drafters.eagle import EagleDrafter

@@ -40,7 +40,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                                                              f"(default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --method draft (default {DEFAULT_DRAFT})")
     p.add_argument("--heads", default=None, help="draft heads for --method medusa / eagle: a folder from `draftwise train-head`, or "
-                        "several separated by commas (each method takes the heads of its kind)")
+                        "several separated by commas (each method takes the heads of its kind); default: the "
+                        "ones `draftwise train-head` wrote for the target without --out")
     p.add_argument("--dtype", default="auto", choices=["auto", "gguf", "int8", "int4", "bf16", "fp32"],
                    help="weight format: auto (a GGUF keeps its own quantization, exact; else bf16), gguf, "
                         "int8 / int4 (round-to-nearest, groups of 32), bf16, fp32")

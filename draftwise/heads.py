@@ -239,6 +239,32 @@ def save_heads(heads: nn.Module, folder: Path) -> None:
     (folder / CONFIG).write_text(json.dumps(asdict(heads.cfg), indent=1))
 
 
+def default_heads_dir(src: Path | str, sha: str, kind: str) -> Path:
+    """Where ``train-head`` writes, and ``--method medusa|eagle`` looks, when no folder is given:
+    ``$DRAFTWISE_HOME/heads/<weight file's stem>-<sha256[:8]>-<kind>`` (one per target file, whatever name
+    or path the target was given by)."""
+    import re
+
+    from .models.registry import draftwise_home
+
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(src).rstrip("/")).stem) or "target"
+    return draftwise_home() / "heads" / f"{stem}-{sha.removeprefix('name:')[:8]}-{kind}"
+
+
+def resolve_heads(spec: str | None, kind: str, src: Path | str, sha: str, target: str = "") -> Path:
+    """The folder of ``kind`` heads: among ``spec`` (see pick_heads) or, without one, the target's default
+    folder (default_heads_dir), with a clear error saying how to train them when there is none."""
+    if spec:
+        return pick_heads(spec, kind)
+    folder = default_heads_dir(src, sha, kind)
+    if not (folder / CONFIG).is_file():
+        raise ModelNotFoundError(
+            f"method {kind!r} needs draft heads and none were trained for this target yet: run `draftwise "
+            f"train-head --kind {kind}{' --target ' + target if target else ''}` (it writes {folder}), "
+            f"or pass --heads DIR")
+    return folder
+
+
 def pick_heads(spec: str, kind: str) -> Path:
     """The folder of ``kind`` heads among ``spec`` (one folder, or several separated by commas: ``--heads
     heads/medusa,heads/eagle`` serves both methods in one bench run)."""

@@ -222,3 +222,27 @@ def test_pick_heads_by_kind(tiny_target, tmp_path):
         pick_heads(str(tmp_path / "nothing"), "eagle")
     with pytest.raises(InvalidParameterError):
         EagleDrafter(_eagle(tiny_target), tiny_target.embed, branches=0)
+
+
+def test_default_heads_folder_end_to_end(hf_folder, tmp_path, monkeypatch, capsys):
+    """`train-head` without --out writes the target's default heads folder; `--method eagle` without --heads
+    uses it (and before any training says how to train them)."""
+    from draftwise import SpeculativeDecoder
+    from draftwise.cli import main
+    from draftwise.heads import default_heads_dir, target_identity
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
+    dw = SpeculativeDecoder(str(hf_folder), draft=None, progress=False)
+    params = SamplingParams(max_tokens=24, temperature=0)
+    with pytest.raises(ModelNotFoundError, match="train-head --kind eagle"):
+        dw.generate("def add(a, b):", params, method="eagle")
+    assert main(["train-head", "--kind", "eagle", "--target", str(hf_folder), "--minutes", "0.1",
+                 "--num-heads", "2", "--vocab-size", "64"]) == 0
+    folder = default_heads_dir(hf_folder, target_identity(hf_folder), "eagle")
+    assert folder.parent == tmp_path / "home" / "heads" and (folder / "config.json").is_file()
+    assert str(folder) in capsys.readouterr().err
+    ref = dw.generate("def add(a, b):", params, method="ar")
+    out = dw.generate("def add(a, b):", params, method="eagle")
+    assert out.token_ids == ref.token_ids and out.stats.drafted > 0
+    with pytest.raises(ModelNotFoundError, match="train-head --kind medusa"):  # only eagle heads exist
+        dw.generate("def add(a, b):", params, method="medusa")

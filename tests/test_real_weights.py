@@ -136,8 +136,9 @@ def test_second_load_uses_converted_cache(smollm, monkeypatch):
 
 
 def test_eagle_head_trained_on_smollm_is_lossless(smollm, tmp_path):
-    """An EAGLE-style head trained here for half a minute on SmolLM2 (a few stdlib files): greedy and seeded
-    decoding with it give `ar`'s exact tokens, and its drafts are verified (some accepted)."""
+    """An EAGLE-style head trained here for half a minute on SmolLM2 (its own answers to seed prompts, some
+    through its chat template, and a few stdlib files): greedy and seeded decoding with it give `ar`'s exact
+    tokens, and its drafts are verified (some accepted)."""
     import sysconfig
     from pathlib import Path
 
@@ -149,8 +150,10 @@ def test_eagle_head_trained_on_smollm_is_lossless(smollm, tmp_path):
     files = [stdlib / f for f in ("heapq.py", "bisect.py", "functools.py", "textwrap.py")]
     sha = target_identity(resolve("smollm2-135m-instruct", progress=False))
     train_eagle(smollm.model, smollm.tokenizer, target_name="smollm2-135m-instruct", target_sha=sha,
-                out=tmp_path / "eagle", minutes=0.5, corpus=[str(f) for f in files], num_heads=2, vocab_size=4096,
+                out=tmp_path / "eagle", minutes=0.5, corpus=["self"] + [str(f) for f in files], num_heads=2, vocab_size=4096,
                 log=lambda m: None, bar=False)
+    from draftwise.heads import load_heads
+    assert load_heads(tmp_path / "eagle", sha).cfg.trained["corpus"] == "self, " + ", ".join(map(str, files))
     sd = SpeculativeDecoder(smollm, None, progress=False)
     drafted = accepted = 0
     for prompt in PROMPTS:

@@ -99,8 +99,8 @@ def _own_child(spec: dict) -> dict:
     if uses_draft_model(spec["method"]):
         dw.draft  # noqa: B018  (the draft model loads lazily: count it in the load)
     opts = spec.get("drafter_options") or {}
-    if spec["method"] in HEAD_METHODS and opts.get("heads"):
-        dw.heads(opts["heads"], spec["method"])  # the heads too
+    if spec["method"] in HEAD_METHODS:
+        dw.heads(opts.get("heads"), spec["method"])  # the heads too
     load = time.perf_counter() - t1
     params = SamplingParams(temperature=spec["temperature"], max_tokens=spec["max_tokens"], seed=spec["seed"])
     t2 = time.perf_counter()

@@ -206,9 +206,14 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
         raise InvalidParameterError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
     cfg.gamma = parse_gamma(cfg.gamma)
     methods = cfg.methods = parse_methods(",".join(cfg.methods))
-    if any(m in HEAD_METHODS for m in methods) and not cfg.heads:  # fail before loading anything
-        raise InvalidParameterError("methods medusa and eagle need draft heads: --heads DIR[,DIR] "
-                                    "(`draftwise train-head --kind medusa|eagle`)")
+    if any(m in HEAD_METHODS for m in methods):  # heads: --heads or the target's default; fail before any run
+        from ..heads import resolve_heads, target_identity
+        from ..models.registry import resolve
+
+        src = resolve(cfg.target, progress)
+        for m in methods:
+            if m in HEAD_METHODS:
+                resolve_heads(cfg.heads, m, src, target_identity(src), cfg.target)
     if BEAM in methods:  # greedy only: fail before loading anything
         from ..beam import check_beam_params
         from ..sampling import SamplingParams
