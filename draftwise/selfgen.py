@@ -48,15 +48,16 @@ NAMES = ("Alice", "Ben", "Carla", "Dmitri", "Emma", "Farid", "Grace", "Hiro", "I
 ITEMS = (("apples", "bag"), ("pencils", "box"), ("eggs", "carton"), ("stickers", "sheet"), ("marbles", "jar"))
 
 
-def _stdlib_files() -> list[Path]:
+def stdlib_sources() -> list[Path]:
+    """The Python standard library's modules (top level and one package level down, tests left out)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.glob("*.py")) + sorted(p for p in stdlib.glob("*/*.py") if "test" not in p.parts[-2])
-    return [p for p in files if "spec_bench" not in p.as_posix()]
+    return sorted(stdlib.glob("*.py")) + sorted(p for p in stdlib.glob("*/*.py") if "test" not in p.parts[-2])
 
 
-def _doc_files() -> list[Path]:
+def package_docs(limit: int) -> list[Path]:
+    """Documentation installed packages ship: up to ``limit`` markdown files, then ``limit`` METADATA files."""
     site = Path(sysconfig.get_paths()["purelib"])
-    return sorted(site.glob("*/*.md"))[:300] + sorted(site.glob("*.dist-info/METADATA"))[:300]
+    return sorted(site.glob("*/*.md"))[:limit] + sorted(site.glob("*.dist-info/METADATA"))[:limit]
 
 
 def _first_sentence(doc: str) -> str:
@@ -165,7 +166,8 @@ def _writing_prompt(r: random.Random, modules: list[str]) -> str:
 def seed_prompts(seed: int = 0) -> Iterator[tuple[str, bool]]:
     """An endless, deterministic stream of (prompt text, through the chat template?) from offline material."""
     r = random.Random(seed)
-    code_files, doc_files = _stdlib_files(), _doc_files()
+    code_files = [p for p in stdlib_sources() if "spec_bench" not in p.as_posix()]
+    doc_files = package_docs(300)
     r.shuffle(code_files)
     r.shuffle(doc_files)
     modules = sorted({p.stem for p in code_files if not p.stem.startswith("_")})
@@ -277,4 +279,4 @@ def generate_features(model, tokenizer, seconds: float, max_positions: int, *, r
     return hidden, labels, tokens, valid
 
 
-__all__ = ["generate_features", "seed_prompts"]
+__all__ = ["generate_features", "package_docs", "seed_prompts", "stdlib_sources"]

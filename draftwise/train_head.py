@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -53,13 +52,9 @@ STDLIB = "stdlib"  # --corpus stdlib: the target reads the Python stdlib's sourc
 
 def default_corpus() -> list[Path]:
     """Offline text that every machine with Python has: stdlib sources, then packages' docs."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.glob("*.py"))
-    files += sorted(p for p in stdlib.glob("*/*.py") if "test" not in p.parts[-2])
-    site = Path(sysconfig.get_paths()["purelib"])
-    files += sorted(p for p in site.glob("*/*.md"))[:200]
-    files += sorted(p for p in site.glob("*.dist-info/METADATA"))[:200]
-    return files
+    from .selfgen import package_docs, stdlib_sources
+
+    return stdlib_sources() + package_docs(200)
 
 
 def corpus_files(spec: list[str] | None) -> list[Path]:
@@ -104,8 +99,8 @@ def _chunks(files: list[Path], tokenizer, seed: int = 0):
 @torch.inference_mode()
 def collect_features(model, tokenizer, files: list[Path], seconds: float, max_positions: int, progress=None,
                      batch: int = 8):
-    """(hidden (N, D) bf16, greedy next token (N,), chunk id (N,), corpus token (N,)) over full corpus
-    chunks of CHUNK tokens, ``batch`` chunks per target forward, within ``seconds`` (text read: every
+    """(hidden (N, D) bf16, greedy next token (N,), corpus token (N,)) over full corpus chunks of CHUNK
+    tokens, ``batch`` chunks per target forward, within ``seconds`` (text read: every
     position valid)."""
     from .kernels import fp32_gemm
 
@@ -130,8 +125,7 @@ def collect_features(model, tokenizer, files: list[Path], seconds: float, max_po
     if not hs:
         raise InvalidParameterError(f"no features collected: the corpus has no text of {CHUNK} tokens, or the "
                                     "budget is too small")
-    labels_all = torch.cat(labels)
-    return torch.cat(hs), labels_all, torch.arange(len(labels_all)) // CHUNK, torch.cat(toks)
+    return torch.cat(hs), torch.cat(labels), torch.cat(toks)
 
 
 def gather_features(model, tokenizer, corpus: list[str], seconds: float, max_positions: int, prog=None,
@@ -157,7 +151,7 @@ def gather_features(model, tokenizer, corpus: list[str], seconds: float, max_pos
                                                  max_positions // len(sources), record=CHUNK, seed=seed,
                                                  progress=progress)
         else:
-            h, y, _, tok = collect_features(model, tokenizer, corpus_files(texts), seconds / len(sources),
+            h, y, tok = collect_features(model, tokenizer, corpus_files(texts), seconds / len(sources),
                                             max_positions // len(sources), progress)
             valid = torch.ones_like(y, dtype=torch.bool)
         if prog is not None:

@@ -211,9 +211,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
         from ..models.registry import resolve
 
         src = resolve(cfg.target, progress)
+        sha = target_identity(src)
         for m in methods:
             if m in HEAD_METHODS:
-                resolve_heads(cfg.heads, m, src, target_identity(src), cfg.target)
+                resolve_heads(cfg.heads, m, src, sha, cfg.target)
     if BEAM in methods:  # greedy only: fail before loading anything
         from ..beam import check_beam_params
         from ..sampling import SamplingParams
