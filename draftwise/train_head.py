@@ -8,9 +8,8 @@ Self-distillation in two phases within ``--minutes``:
    sources (``--corpus``, repeatable; the budget is shared equally):
    - ``self`` (the default): the target *writes* the corpus — batched greedy answers to prompts built from
      offline material (selfgen.py), prompt positions included; the distribution it drafts on.
-   - a text file or folder: the target *reads* it in chunks (SmolLM2: 2.2x as many positions per
-     second as writing; the 1.5B: fewer, writing batches 16 answers per weight read), but text the target
-     would not write.
+   - a text file or folder: the target *reads* it in chunks (SmolLM2 on Zen 3: 2.2x as many
+     positions per second as writing), but text the target would not write.
 2. **Training** (cross-entropy over the draft vocabulary: the most frequent target predictions), AdamW,
    with checkpoints every minute; held-out top-1 accuracy per head (medusa) or per drafted depth (eagle)
    is written into the head's config.
