@@ -355,11 +355,18 @@ class QLinear(nn.Module):
         return cls(raw, torch.ones(weight.shape[0], 1), None, weight.shape[1], bits, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # a decode step makes ~130 of these calls: the common case reads its buffers straight from the
+        # module's dict and converts nothing (each skipped torch call is ~1 us, the kernel call ~5-20 us)
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float().contiguous()  # (M, K)
-        ext = extension()
-        scale, minv = self.scale.float(), self.minv.float()  # no-ops unless someone called .to(dtype)
-        if getattr(_mode, "bulk", False) and x2.shape[0] > BULK_MIN_ROWS and _bulk_pays():
+        x2 = x.reshape(-1, shape[-1])  # (M, K)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        ext = _ext if _ext is not None else extension()
+        buffers = self._buffers
+        scale, minv = buffers["scale"], buffers["minv"]
+        if scale.dtype != torch.float32 or minv.dtype != torch.float32:  # someone called .to(dtype)
+            scale, minv = scale.float(), minv.float()
+        if x2.shape[0] > BULK_MIN_ROWS and getattr(_mode, "bulk", False) and _bulk_pays():
             if ext is not None and self.bits in (4, 8):
                 w = ext.dequantize_bf16(self.q, scale, minv, self.group, self.bits)  # (N, K)
             else:
@@ -368,13 +375,14 @@ class QLinear(nn.Module):
         elif getattr(_mode, "gemm32", False) and x2.shape[0] > BULK_MIN_ROWS:
             y = x2 @ dequantize(self.q, scale, minv, self.group, self.bits).t()
         elif ext is not None:
-            y = ext.qmm(x2, self.q, scale, minv, self.group, self.bits, self.act_bits)
+            y = ext.qmm(x2, buffers["q"], scale, minv, self.group, self.bits, self.act_bits)
         else:
             if self._dense is None:
                 self._dense = dequantize(self.q, self.scale, self.minv, self.group, self.bits)
             y = x2 @ self._dense.t()
-        if self.bias is not None:
-            y = y + self.bias
+        bias = self._parameters.get("bias")  # absent when built without one
+        if bias is not None:
+            y.add_(bias)  # y is this call's own output
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

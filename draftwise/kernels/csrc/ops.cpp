@@ -33,20 +33,20 @@ torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::
   a.x = x.data_ptr<float>();
   a.out = out.data_ptr<float>();
   const bool q8 = act_bits == 8 && dw::q8_supported(bits, K, G);
+  const dw::IsaOps* ops = dw::active_for(M);
   std::vector<int8_t> xq;
   std::vector<float> lane, gs, xsum;
   std::vector<int32_t> bias;
   if (q8) {
     const dw::ActQ8Sizes sz = dw::act_sizes(M, K, G, bits);
     xq.resize(sz.q), lane.resize(sz.lane), bias.resize(sz.lane), gs.resize(sz.gs);
-    dw::quantize_act(a.x, M, K, G, bits, xq.data(), lane.data(), bias.data(), gs.data());
+    ops->quantize_act(a.x, M, K, G, bits, xq.data(), lane.data(), bias.data(), gs.data());
     a.act = {xq.data(), lane.data(), bias.data(), gs.data()};
   } else if (has_min) {
     xsum.resize(M * (K / G));
     dw::group_sums(a.x, M, K, G, xsum.data());
     a.xsum = xsum.data();
   }
-  const dw::IsaOps* ops = dw::active_for(M);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { dw::qmm_columns(ops, a, q8, n0, n1); });
   return out;
 }
@@ -125,7 +125,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   auto sizes = gu.sizes().vec();
   sizes.back() = F;
   auto out = torch::empty(sizes, gu.options());
-  dw::silu_mul(gu.data_ptr<float>(), M, F, out.data_ptr<float>());
+  dw::active()->silu_mul(gu.data_ptr<float>(), M, F, out.data_ptr<float>());
   return out;
 }
 

@@ -68,6 +68,11 @@ struct IsaOps {
   const char* name;
   void (*qmm_q8)(const QmmArgs& a, int64_t n0, int64_t n1);   // int8 activations (q8_supported)
   void (*qmm_f32)(const QmmArgs& a, int64_t n0, int64_t n1);  // fp32 activations
+  // the per-call work around the matmul, on this path's vectors; the same bits as the references
+  // quantize_act (qmm_ref.cpp) and silu_mul (layers.cpp), which the scalar path uses
+  void (*quantize_act)(const float* x, int64_t M, int64_t K, int64_t G, int64_t bits, int8_t* q, float* lane,
+                       int32_t* bias, float* gs);
+  void (*silu_mul)(const float* gu, int64_t M, int64_t F, float* out);
 };
 
 // int8 activations apply when the code rows split into whole 32-byte half steps
@@ -105,7 +110,8 @@ inline float round_even(float v) {
 // Sizes of the ActQ8 buffers for (M, K, G, bits)
 struct ActQ8Sizes { int64_t q, lane, gs; };
 ActQ8Sizes act_sizes(int64_t M, int64_t K, int64_t G, int64_t bits);
-// Fill caller-provided buffers (sizes from act_sizes). Plain C++; the same bits on every CPU.
+// Fill caller-provided buffers (sizes from act_sizes). The reference (plain C++); each path's
+// IsaOps::quantize_act computes the same bits faster.
 void quantize_act(const float* x, int64_t M, int64_t K, int64_t G, int64_t bits, int8_t* q, float* lane,
                   int32_t* bias, float* gs);
 // (M, K / G) in-order group sums of x (fp32-activation offsets)
@@ -142,7 +148,7 @@ void qmm_columns(const IsaOps* ops, const QmmArgs& a, bool q8, int64_t n0, int64
 // ---- fused layer ops (layers.cpp): portable, fixed-order, same bits everywhere ----
 float dw_exp(float x);  // exp with a fixed polynomial (libm's expf differs between builds)
 void rms_norm(const float* x, const float* w, int64_t M, int64_t D, float eps, float* out);
-void silu_mul(const float* gu, int64_t M, int64_t F, float* out);
+void silu_mul(const float* gu, int64_t M, int64_t F, float* out);  // the reference of IsaOps::silu_mul
 void rope_append(float* qkv, const float* cos, const float* sin, float* kc, float* vc, const int64_t* start,
                  int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap);
 // attention of item i in [0, B * T * nh) (row b, token t, head h) over its start[b] + t + 1 keys (causal), or,

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -47,7 +48,7 @@ std::vector<float> run(const dw::IsaOps* ops, const Case& c, const std::vector<u
   std::vector<float> lane(sz.lane), gs(sz.gs), xsum(M * (c.K / c.G));
   std::vector<int32_t> bias(sz.lane);
   if (q8) {
-    dw::quantize_act(x.data(), M, c.K, c.G, c.bits, xq.data(), lane.data(), bias.data(), gs.data());
+    ops->quantize_act(x.data(), M, c.K, c.G, c.bits, xq.data(), lane.data(), bias.data(), gs.data());
     a.act = {xq.data(), lane.data(), bias.data(), gs.data()};
   } else {
     dw::group_sums(x.data(), M, c.K, c.G, xsum.data());
@@ -56,6 +57,70 @@ std::vector<float> run(const dw::IsaOps* ops, const Case& c, const std::vector<u
   dw::qmm_columns(ops, a, q8, 0, c.N / 2);  // two column ranges, as threads would split them
   dw::qmm_columns(ops, a, q8, c.N / 2, c.N);
   return out;
+}
+
+// Each path's activation quantization gives the reference's buffers, byte for byte (codes in kernel order,
+// lane scales, int8 biases, group sums), including tail steps, all-zero blocks, huge values and ties.
+int check_quantize_act(const char* const* names, int npaths) {
+  struct Shape { int64_t K, G, bits; };
+  const Shape shapes[] = {{256, 32, 4}, {192, 32, 4}, {512, 16, 8}, {224, 32, 8}, {96, 16, 8}, {8960, 16, 8}, {1536, 32, 4}};
+  int failures = 0;
+  for (const Shape& sh : shapes) {
+    const int64_t M = 3;
+    std::vector<float> x(M * sh.K);
+    for (auto& v : x) v = next_f() * 5.0f;
+    for (int64_t k = 0; k < 32; ++k) x[k] = 0.f;                              // an all-zero block
+    x[40] = -0.0f, x[sh.K + 7] = 3e38f, x[sh.K + 8] = -1e-40f;                 // signed zero, huge, denormal
+    for (int64_t k = 0; k < 32; ++k) x[2 * sh.K + k] = (float)(k - 16) + 0.5f;  // amax 15.5: many ties
+    x[2 * sh.K + 3] = 127.0f;                                                  // inv = 1: exact halves tie
+    const dw::ActQ8Sizes sz = dw::act_sizes(M, sh.K, sh.G, sh.bits);
+    auto quantize = [&](const dw::IsaOps* ops, std::vector<int8_t>& q, std::vector<float>& lane,
+                        std::vector<int32_t>& bias, std::vector<float>& gs) {
+      q.assign(sz.q, 0x55), lane.assign(sz.lane, -1.f), bias.assign(sz.lane, 12345), gs.assign(sz.gs, -1.f);
+      ops->quantize_act(x.data(), M, sh.K, sh.G, sh.bits, q.data(), lane.data(), bias.data(), gs.data());
+    };
+    std::vector<int8_t> rq, pq;
+    std::vector<float> rl, rg, pl, pg;
+    std::vector<int32_t> rb, pb;
+    quantize(&dw::kScalar, rq, rl, rb, rg);
+    for (int p = 0; p < npaths; ++p) {
+      quantize(dw::path_by_name(names[p]), pq, pl, pb, pg);
+      if (pq != rq || std::memcmp(pl.data(), rl.data(), rl.size() * 4) || pb != rb ||
+          std::memcmp(pg.data(), rg.data(), rg.size() * 4)) {
+        std::printf("MISMATCH quantize_act K=%lld G=%lld bits=%lld on path %s\n", (long long)sh.K, (long long)sh.G,
+                    (long long)sh.bits, names[p]);
+        ++failures;
+      }
+    }
+  }
+  return failures;
+}
+
+// Each path's silu_mul gives the reference's bits (NaN where the reference gives NaN), over the whole
+// range of the exp polynomial, its cut-offs and special values, and a row length with a tail.
+int check_silu_mul(const char* const* names, int npaths) {
+  const int64_t M = 2, F = 1003;
+  std::vector<float> gu(M * 2 * F);
+  for (auto& v : gu) v = next_f();
+  const float special[] = {0.f, -0.f, 87.0f, -87.0f, 87.0001f, -87.0001f, 88.72283f, -88.72283f, 88.5f, -88.5f, 88.7228f,
+                           -88.7229f, 100.f, -100.f, 1e30f, -1e30f, __builtin_inff(), -__builtin_inff(), __builtin_nanf("")};
+  for (int64_t j = 0; j < F; ++j) gu[j] = -110.0f + 220.0f * (float)j / (float)F;  // row 0 gates: the full range
+  for (size_t j = 0; j < sizeof(special) / sizeof(float); ++j) gu[2 * F + j] = special[j];  // row 1 gates
+  std::vector<float> ref(M * F), out(M * F);
+  dw::kScalar.silu_mul(gu.data(), M, F, ref.data());
+  int failures = 0;
+  for (int p = 0; p < npaths; ++p) {
+    std::fill(out.begin(), out.end(), -1.f);
+    dw::path_by_name(names[p])->silu_mul(gu.data(), M, F, out.data());
+    for (int64_t j = 0; j < M * F; ++j)
+      if (std::memcmp(&out[j], &ref[j], 4) && !(out[j] != out[j] && ref[j] != ref[j])) {
+        std::printf("MISMATCH silu_mul on path %s: gate %g gives %g, reference %g\n", names[p],
+                    gu[(j / F) * 2 * F + j % F], out[j], ref[j]);
+        ++failures;
+        break;
+      }
+  }
+  return failures;
 }
 
 }  // namespace
@@ -162,6 +227,11 @@ int main() {
     std::printf("%-20s %016llx %s\n", "layers", (unsigned long long)fnv(att.data(), att.size() * 4, fnv(o2.data(), o2.size() * 4,
                 fnv(out.data(), out.size() * 4, fnv(e, sizeof(e))))), ok ? "ok" : "FAIL (exp inaccurate)");
     failures += !ok;
+  }
+  {
+    const int bad = check_quantize_act(names, npaths) + check_silu_mul(names, npaths);
+    std::printf("%-20s %s\n", "per-path act/silu", bad ? "FAIL" : "ok");
+    failures += bad;
   }
   std::printf(failures ? "FAILED: %d case(s)\n" : "all paths bit-identical to the reference\n", failures);
   return failures ? 1 : 0;
