@@ -1,6 +1,7 @@
-// Per-call work around the matmul on ARM NEON: int8 quantization of the activations and the fused
-// silu(gate) * up, included inside neon.h's anonymous namespace. The same bits as the scalar references
-// (qmm_ref.cpp quantize_act, layers.cpp silu_mul / dw_exp): the same float operations in the same order,
+// Per-call work around the matmul on ARM NEON: int8 quantization of the activations, the fused
+// silu(gate) * up and decode attention, included inside neon.h's anonymous namespace (after its
+// tree16). The same bits as the scalar references (qmm_ref.cpp quantize_act, layers.cpp silu_mul /
+// dw_exp / attend_items): the same float operations in the same order,
 // one element per lane (vmulq + vaddq where the reference multiplies and adds: never vfmaq), exact
 // integer sums. No headers (and no std::) inside: builtins only.
 
@@ -106,5 +107,62 @@ void silu_mul_neon(const float* gu, int64_t M, int64_t F, float* out) {
       vst1q_f32(o + j, vmulq_f32(vdivq_f32(g, den), vld1q_f32(b + j)));
     }
     for (; j < F; ++j) o[j] = a[j] / (1.0f + dw::dw_exp(-a[j])) * b[j];  // the reference's tail
+  }
+}
+
+// dw::attend_items (see x86_act.h attend_items_x86: the same order of operations, 4 lanes at a time)
+void attend_items_neon(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
+                       int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1, float* p,
+                       const int64_t* vis, const int64_t* nvis) {
+  if (hd % 32) {
+    dw::attend_items(qkv, kc, vc, start, B, T, nh, nkv, hd, cap, out, i0, i1, p, vis, nvis);
+    return;
+  }
+  const int64_t W = (nh + 2 * nkv) * hd, g = nh / nkv;
+  const float scale = 1.0f / __builtin_sqrtf((float)hd);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / (T * nh), t = (i / nh) % T, h = i % nh, kvh = h / g;
+    const int64_t L = start[b];
+    const int64_t* seen = vis ? vis + (b * T + t) * T : nullptr;
+    const int64_t S = L + (vis ? nvis[b * T + t] : t + 1);
+    const float* q = qkv + (b * T + t) * W + h * hd;
+    const float* K = kc + (b * nkv + kvh) * cap * hd;
+    const float* V = vc + (b * nkv + kvh) * cap * hd;
+    float mx = -__builtin_inff();
+    for (int64_t s = 0; s < S; ++s) {
+      const float* k = K + (s < L || !seen ? s : L + seen[s - L]) * hd;
+      float32x4_t acc[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+      for (int64_t j = 0; j < hd; j += 16)
+        for (int l = 0; l < 4; ++l) acc[l] = vaddq_f32(acc[l], vmulq_f32(vld1q_f32(q + j + 4 * l), vld1q_f32(k + j + 4 * l)));
+      p[s] = tree16(acc) * scale;
+      mx = p[s] > mx ? p[s] : mx;
+    }
+    float32x4_t sums[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+    const float32x4_t vmx = vdupq_n_f32(mx);
+    int64_t s = 0;
+    for (; s + 16 <= S; s += 16)
+      for (int l = 0; l < 4; ++l) {
+        const float32x4_t e = exp4(vsubq_f32(vld1q_f32(p + s + 4 * l), vmx));
+        vst1q_f32(p + s + 4 * l, e);
+        sums[l] = vaddq_f32(sums[l], e);
+      }
+    float sum[16];
+    for (int l = 0; l < 4; ++l) vst1q_f32(sum + 4 * l, sums[l]);
+    for (; s < S; ++s) {
+      p[s] = dw::dw_exp(p[s] - mx);
+      sum[s % 16] = sum[s % 16] + p[s];
+    }
+    const float inv = 1.0f / dw::tree16(sum);
+    float* o = out + (b * T + t) * nh * hd + h * hd;
+    for (int64_t j0 = 0; j0 < hd; j0 += 32) {  // 32 outputs in registers, keys in order
+      float32x4_t a[8];
+      for (int l = 0; l < 8; ++l) a[l] = vdupq_n_f32(0.f);
+      for (int64_t s2 = 0; s2 < S; ++s2) {
+        const float32x4_t w = vdupq_n_f32(p[s2] * inv);
+        const float* v = V + (s2 < L || !seen ? s2 : L + seen[s2 - L]) * hd + j0;
+        for (int l = 0; l < 8; ++l) a[l] = vaddq_f32(a[l], vmulq_f32(w, vld1q_f32(v + 4 * l)));
+      }
+      for (int l = 0; l < 8; ++l) vst1q_f32(o + j0 + 4 * l, a[l]);
+    }
   }
 }

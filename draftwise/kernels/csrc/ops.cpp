@@ -101,9 +101,10 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   dw::rope_append(qp, cos.data_ptr<float>(), sin.data_ptr<float>(), kc, vc, start.data(), B, T, nh, nkv, hd, cap);
   auto out = torch::empty({B, T, nh * hd}, qkv.options());
   float* op = out.data_ptr<float>();
+  const dw::IsaOps* ops = dw::active();
   at::parallel_for(0, B * T * nh, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(most);
-    dw::attend_items(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, op, i0, i1, p.data(),
+    ops->attend_items(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, op, i0, i1, p.data(),
                      tree ? vis.data_ptr<int64_t>() : nullptr, tree ? nvis.data_ptr<int64_t>() : nullptr);
   });
   return out;

@@ -123,6 +123,44 @@ int check_silu_mul(const char* const* names, int npaths) {
   return failures;
 }
 
+// Each path's decode attention gives the reference's bits: causal and tree-masked, head sizes 64 and 128
+// (and 80, which every path hands to the reference), key counts below and above 16, two rows.
+int check_attention(const char* const* names, int npaths) {
+  int failures = 0;
+  for (int64_t hd : {64, 128, 80}) {
+    const int64_t B = 2, T = 4, nh = 6, nkv = 2, cap = 64, W = (nh + 2 * nkv) * hd;
+    std::vector<float> qkv(B * T * W), kc(B * nkv * cap * hd), vc(kc.size()), ref(B * T * nh * hd), out(ref.size()),
+        p(cap);
+    for (auto& v : qkv) v = next_f() * 2.0f;
+    for (auto& v : kc) v = next_f() * 2.0f;
+    for (auto& v : vc) v = next_f();
+    const int64_t start[2] = {3, 37};
+    // a tree over the 4 new tokens: 0 root; 1 and 2 children of 0; 3 child of 2
+    const int64_t vis1[16] = {0, 0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 2, 3, 0}, nvis1[4] = {1, 2, 2, 3};
+    std::vector<int64_t> vis(B * T * T), nvis(B * T);
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy(vis1, vis1 + 16, vis.begin() + b * 16);
+      std::copy(nvis1, nvis1 + 4, nvis.begin() + b * 4);
+    }
+    for (int tree = 0; tree < 2; ++tree) {
+      const int64_t* vp = tree ? vis.data() : nullptr;
+      const int64_t* np = tree ? nvis.data() : nullptr;
+      dw::kScalar.attend_items(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, ref.data(), 0,
+                               B * T * nh, p.data(), vp, np);
+      for (int q = 0; q < npaths; ++q) {
+        std::fill(out.begin(), out.end(), -1.f);
+        dw::path_by_name(names[q])->attend_items(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap,
+                                                 out.data(), 0, B * T * nh, p.data(), vp, np);
+        if (std::memcmp(out.data(), ref.data(), ref.size() * 4)) {
+          std::printf("MISMATCH attention hd=%lld tree=%d on path %s\n", (long long)hd, tree, names[q]);
+          ++failures;
+        }
+      }
+    }
+  }
+  return failures;
+}
+
 }  // namespace
 
 int main() {
@@ -229,8 +267,8 @@ int main() {
     failures += !ok;
   }
   {
-    const int bad = check_quantize_act(names, npaths) + check_silu_mul(names, npaths);
-    std::printf("%-20s %s\n", "per-path act/silu", bad ? "FAIL" : "ok");
+    const int bad = check_quantize_act(names, npaths) + check_silu_mul(names, npaths) + check_attention(names, npaths);
+    std::printf("%-20s %s\n", "per-path layer ops", bad ? "FAIL" : "ok");
     failures += bad;
   }
   std::printf(failures ? "FAILED: %d case(s)\n" : "all paths bit-identical to the reference\n", failures);

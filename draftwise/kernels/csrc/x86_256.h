@@ -26,12 +26,7 @@ using dw::QmmArgs;
 constexpr int MB_MAX = DW_MB;              // activation rows per pass over a weight row (2 accumulators each)
 constexpr int64_t PREFETCH = 2048;     // bytes of codes ahead
 
-inline float tree16(__m256 lo, __m256 hi) {
-  const __m256 b = _mm256_add_ps(lo, hi);                                                // a[i] + a[i + 8]
-  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));  // b[i] + b[i + 4]
-  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));                                   // c[i] + c[i + 2]
-  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));                          // d[0] + d[1]
-}
+#include "x86_act.h"  // tree16(lo, hi); quantize_act_x86, silu_mul_x86, attend_items_x86
 
 // 16-lane fma accumulation of o[g] * v[g] into lane g % 16, then tree16 (the affine offset)
 inline float offset16(const float* o, const float* v, int64_t ng) {
@@ -207,7 +202,6 @@ inline void column_f32(const QmmArgs& a, int64_t n, int64_t m0) {
   }
 }
 
-#include "x86_act.h"  // quantize_act_x86, silu_mul_x86
 #include "tiles.h"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
 
 }  // namespace

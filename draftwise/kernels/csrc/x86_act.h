@@ -1,9 +1,17 @@
 // Per-call work around the matmul on x86 (AVX2; the AVX-512 paths use it too): int8 quantization of the
-// activations and the fused silu(gate) * up. Included inside the anonymous namespace of x86_256.h and
+// activations, the fused silu(gate) * up and decode attention. Included inside the anonymous namespace of x86_256.h and
 // x86_512.h, so each path compiles its own copy under its `#pragma GCC target`. Both compute exactly the
-// bits of their scalar references (qmm_ref.cpp quantize_act, layers.cpp silu_mul / dw_exp): the same
+// bits of their scalar references (qmm_ref.cpp quantize_act, layers.cpp silu_mul / dw_exp / attend_items): the same
 // float operations in the same order, one element per lane (no reassociation, no FMA where the reference
 // has a multiply and an add), and exact integer sums. No headers (and no std::) inside: builtins only.
+
+// the rule's 16-lane sum (qmm.h tree16) of lanes 0-7 in lo and 8-15 in hi
+inline float tree16(__m256 lo, __m256 hi) {
+  const __m256 b = _mm256_add_ps(lo, hi);                                                // a[i] + a[i + 8]
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));  // b[i] + b[i + 4]
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));                                   // c[i] + c[i + 2]
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));                          // d[0] + d[1]
+}
 
 // round to nearest even for |v| < 2^22, as dw::round_even: (v + 1.5 * 2^23) - 1.5 * 2^23
 inline __m256 round_even8(__m256 v) {
@@ -120,5 +128,93 @@ void silu_mul_x86(const float* gu, int64_t M, int64_t F, float* out) {
       _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(g, den), _mm256_loadu_ps(b + j)));
     }
     for (; j < F; ++j) o[j] = a[j] / (1.0f + dw::dw_exp(-a[j])) * b[j];  // the reference's tail
+  }
+}
+
+// o[j0 .. j0 + 8 NR) = sum over the S keys, in order, of (p[s] * inv) * v[s][j] (multiply, then add), the
+// NR accumulators held in registers through the pass over the keys
+template <int NR>
+inline void weighted_values(const float* p, float inv, const float* V, int64_t L, const int64_t* seen, int64_t S,
+                            int64_t hd, int64_t j0, float* o) {
+  __m256 acc[NR];
+  for (int l = 0; l < NR; ++l) acc[l] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const __m256 w = _mm256_set1_ps(p[s] * inv);
+    const float* v = V + (s < L || !seen ? s : L + seen[s - L]) * hd + j0;
+    for (int l = 0; l < NR; ++l) acc[l] = _mm256_add_ps(acc[l], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * l)));
+  }
+  for (int l = 0; l < NR; ++l) _mm256_storeu_ps(o + j0 + 8 * l, acc[l]);
+}
+
+// dw::attend_items: per (row, token, head), scores over the keys it sees (layers.cpp dot16: 16 lanes of
+// multiply-then-add, tree16), softmax with the reference's max, exp and 16-lane sum, then the weighted sum
+// of values, each output element accumulating the keys in order. Head sizes that are not a multiple of 16
+// take the reference.
+void attend_items_x86(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
+                      int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1, float* p,
+                      const int64_t* vis, const int64_t* nvis) {
+  if (hd % 32) {
+    dw::attend_items(qkv, kc, vc, start, B, T, nh, nkv, hd, cap, out, i0, i1, p, vis, nvis);
+    return;
+  }
+  const int64_t W = (nh + 2 * nkv) * hd, g = nh / nkv;
+  const float scale = 1.0f / __builtin_sqrtf((float)hd);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / (T * nh), t = (i / nh) % T, h = i % nh, kvh = h / g;
+    const int64_t L = start[b];
+    const int64_t* seen = vis ? vis + (b * T + t) * T : nullptr;
+    const int64_t S = L + (vis ? nvis[b * T + t] : t + 1);
+    const float* q = qkv + (b * T + t) * W + h * hd;
+    const float* K = kc + (b * nkv + kvh) * cap * hd;
+    const float* V = vc + (b * nkv + kvh) * cap * hd;
+    float mx = -__builtin_inff();
+    int64_t s = 0;
+    for (; s + 2 <= S; s += 2) {  // two keys at a time: four independent add chains
+      const float* k0 = K + (s < L || !seen ? s : L + seen[s - L]) * hd;
+      const float* k1 = K + (s + 1 < L || !seen ? s + 1 : L + seen[s + 1 - L]) * hd;
+      __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+      for (int64_t j = 0; j < hd; j += 16) {
+        const __m256 qa = _mm256_loadu_ps(q + j), qb = _mm256_loadu_ps(q + j + 8);
+        lo0 = _mm256_add_ps(lo0, _mm256_mul_ps(qa, _mm256_loadu_ps(k0 + j)));
+        hi0 = _mm256_add_ps(hi0, _mm256_mul_ps(qb, _mm256_loadu_ps(k0 + j + 8)));
+        lo1 = _mm256_add_ps(lo1, _mm256_mul_ps(qa, _mm256_loadu_ps(k1 + j)));
+        hi1 = _mm256_add_ps(hi1, _mm256_mul_ps(qb, _mm256_loadu_ps(k1 + j + 8)));
+      }
+      p[s] = tree16(lo0, hi0) * scale;
+      mx = p[s] > mx ? p[s] : mx;
+      p[s + 1] = tree16(lo1, hi1) * scale;
+      mx = p[s + 1] > mx ? p[s + 1] : mx;
+    }
+    for (; s < S; ++s) {
+      const float* k = K + (s < L || !seen ? s : L + seen[s - L]) * hd;
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (int64_t j = 0; j < hd; j += 16) {
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j)));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(k + j + 8)));
+      }
+      p[s] = tree16(lo, hi) * scale;
+      mx = p[s] > mx ? p[s] : mx;
+    }
+    __m256 slo = _mm256_setzero_ps(), shi = _mm256_setzero_ps();
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (s = 0; s + 16 <= S; s += 16) {
+      const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), vmx));
+      const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s + 8), vmx));
+      _mm256_storeu_ps(p + s, e0), _mm256_storeu_ps(p + s + 8, e1);
+      slo = _mm256_add_ps(slo, e0), shi = _mm256_add_ps(shi, e1);
+    }
+    float sum[16];
+    _mm256_storeu_ps(sum, slo), _mm256_storeu_ps(sum + 8, shi);
+    for (; s < S; ++s) {
+      p[s] = dw::dw_exp(p[s] - mx);
+      sum[s % 16] = sum[s % 16] + p[s];
+    }
+    const float inv = 1.0f / dw::tree16(sum);
+    float* o = out + (b * T + t) * nh * hd + h * hd;
+    if (hd % 64) {
+      for (int64_t j0 = 0; j0 < hd; j0 += 32) weighted_values<4>(p, inv, V, L, seen, S, hd, j0, o);
+    } else {
+      for (int64_t j0 = 0; j0 < hd; j0 += 64) weighted_values<8>(p, inv, V, L, seen, S, hd, j0, o);
+    }
   }
 }
