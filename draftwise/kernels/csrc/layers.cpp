@@ -131,6 +131,16 @@ void attend_items(const float* qkv, const float* kc, const float* vc, const int6
   }
 }
 
+void attend_groups(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
+                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1, float* p,
+                   const int64_t* vis, const int64_t* nvis) {
+  const int64_t g = nh / nkv;
+  for (int64_t i = i0; i < i1; ++i) {  // group (b, t, kvh): items (b * T + t) * nh + kvh * g ..
+    const int64_t first = (i / nkv) * nh + (i % nkv) * g;
+    attend_items(qkv, kc, vc, start, B, T, nh, nkv, hd, cap, out, first, first + g, p, vis, nvis);
+  }
+}
+
 void dequantize_bf16_rows(const uint8_t* q, const float* scale, const float* minv, int64_t K, int64_t G,
                           int64_t bits, uint16_t* out, int64_t n0, int64_t n1) {
   const int64_t ng = K / G, qrow = K * bits / 8;

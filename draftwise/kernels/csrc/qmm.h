@@ -69,13 +69,13 @@ struct IsaOps {
   void (*qmm_q8)(const QmmArgs& a, int64_t n0, int64_t n1);   // int8 activations (q8_supported)
   void (*qmm_f32)(const QmmArgs& a, int64_t n0, int64_t n1);  // fp32 activations
   // the per-call work around the matmul, on this path's vectors; the same bits as the references
-  // quantize_act (qmm_ref.cpp), silu_mul and attend_items (layers.cpp), which the scalar path uses
+  // quantize_act (qmm_ref.cpp), silu_mul and attend_groups (layers.cpp), which the scalar path uses
   void (*quantize_act)(const float* x, int64_t M, int64_t K, int64_t G, int64_t bits, int8_t* q, float* lane,
                        int32_t* bias, float* gs);
   void (*silu_mul)(const float* gu, int64_t M, int64_t F, float* out);
-  void (*attend_items)(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B,
-                       int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0,
-                       int64_t i1, float* scratch, const int64_t* vis, const int64_t* nvis);
+  void (*attend_groups)(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B,
+                        int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0,
+                        int64_t i1, float* scratch, const int64_t* vis, const int64_t* nvis);
 };
 
 // int8 activations apply when the code rows split into whole 32-byte half steps
@@ -158,10 +158,15 @@ void rope_append(float* qkv, const float* cos, const float* sin, float* kc, floa
 // given vis / nvis (a token tree), over the start[b] cached keys and then the nvis[b, t] new tokens
 // vis[b, t, 0..nvis-1] (indices into the T new tokens: a node's path, root first) — the keys, in the same
 // order, that decoding the path one token at a time attends to, so the node's output is the same bits
-// (the reference of IsaOps::attend_items)
 void attend_items(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1,
                   float* scratch /* >= max keys */, const int64_t* vis = nullptr, const int64_t* nvis = nullptr);
+// attend_items for the nh / nkv query heads of each group i in [i0, i1) of B * T * nkv (row b, token t, KV
+// head): the unit the paths parallelize over (the reference of IsaOps::attend_groups). scratch: >= (nh / nkv)
+// * max keys
+void attend_groups(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
+                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1,
+                   float* scratch, const int64_t* vis = nullptr, const int64_t* nvis = nullptr);
 // (N, K) bf16 bits of w = scale * q - minv (rounded to nearest even), rows n0..n1
 void dequantize_bf16_rows(const uint8_t* q, const float* scale, const float* minv, int64_t K, int64_t G,
                           int64_t bits, uint16_t* out, int64_t n0, int64_t n1);

@@ -130,7 +130,7 @@ int check_attention(const char* const* names, int npaths) {
   for (int64_t hd : {64, 128, 80}) {
     const int64_t B = 2, T = 4, nh = 6, nkv = 2, cap = 64, W = (nh + 2 * nkv) * hd;
     std::vector<float> qkv(B * T * W), kc(B * nkv * cap * hd), vc(kc.size()), ref(B * T * nh * hd), out(ref.size()),
-        p(cap);
+        p(cap * nh / nkv);
     for (auto& v : qkv) v = next_f() * 2.0f;
     for (auto& v : kc) v = next_f() * 2.0f;
     for (auto& v : vc) v = next_f();
@@ -145,12 +145,15 @@ int check_attention(const char* const* names, int npaths) {
     for (int tree = 0; tree < 2; ++tree) {
       const int64_t* vp = tree ? vis.data() : nullptr;
       const int64_t* np = tree ? nvis.data() : nullptr;
-      dw::kScalar.attend_items(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, ref.data(), 0,
-                               B * T * nh, p.data(), vp, np);
+      dw::attend_items(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, ref.data(), 0, B * T * nh,
+                       p.data(), vp, np);
       for (int q = 0; q < npaths; ++q) {
         std::fill(out.begin(), out.end(), -1.f);
-        dw::path_by_name(names[q])->attend_items(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap,
-                                                 out.data(), 0, B * T * nh, p.data(), vp, np);
+        const dw::IsaOps* ops = dw::path_by_name(names[q]);
+        // two calls, as threads would split the groups (odd split: a row's groups on both sides)
+        ops->attend_groups(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, out.data(), 0, 3, p.data(), vp, np);
+        ops->attend_groups(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, out.data(), 3, B * T * nkv,
+                           p.data(), vp, np);
         if (std::memcmp(out.data(), ref.data(), ref.size() * 4)) {
           std::printf("MISMATCH attention hd=%lld tree=%d on path %s\n", (long long)hd, tree, names[q]);
           ++failures;
