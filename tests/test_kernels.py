@@ -119,6 +119,34 @@ def test_every_path_gives_the_reference_bits(path):
             assert torch.equal(lin(x[4:5]), ref1), f"{name} act {act_bits}: one row differs on {path}"
 
 
+def test_fused_layer_ops_give_the_reference_bits_on_every_path(path):
+    """silu·up and decode attention (causal and tree-masked, cached prefixes below and above a 16-key
+    block) run on the path's vectors through the torch bindings, with the scalar reference's bits."""
+    ext = extension()
+    g = torch.Generator().manual_seed(7)
+    gu = torch.randn(3, 2, 2 * 203, generator=g) * 6  # (B, T, 2F), F with a tail past 8 lanes
+    gu[0, 0, :4] = torch.tensor([88.5, -88.5, 100.0, -100.0])
+    nh, nkv, hd, cap, B, T = 6, 2, 128, 80, 2, 4
+    qkv = torch.randn(B, T, (nh + 2 * nkv) * hd, generator=g)
+    cos, sin = torch.randn(B, T, hd, generator=g), torch.randn(B, T, hd, generator=g)
+    kc, vc = torch.randn(B, nkv, cap, hd, generator=g), torch.randn(B, nkv, cap, hd, generator=g)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # a tree
+    from draftwise.models.transformer import TreeMask
+    tree = TreeMask(mask.expand(B, T, T).contiguous())
+    none = torch.empty(0, dtype=torch.long)
+
+    def run():
+        att = [ext.decode_attention(qkv.clone(), cos, sin, kc.clone(), vc.clone(), [5, 41], nh, nkv, vis, nvis)
+               for vis, nvis in ((none, none), (tree.vis, tree.nvis))]
+        return [ext.silu_mul(gu)] + att
+
+    got = run()
+    with using_isa("scalar"):
+        ref = run()
+    for name, a, b in zip(("silu_mul", "attention", "tree attention"), got, ref):
+        assert torch.equal(a, b), f"{name}: {path} differs from the scalar reference"
+
+
 def test_kernel_builds_here():
     assert extension() is not None, "the C++ kernel should compile on these machines"
     assert isa() in available_isas() and isa() != "none"
