@@ -137,7 +137,7 @@ inline void column_f32(const QmmArgs& a, int64_t n, int64_t m0) {
   }
 }
 
-#include "neon_act.h"  // quantize_act_neon, silu_mul_neon, attend_groups_neon
+#include "neon_act.h"  // quantize_act_neon, silu_mul_neon, attend_groups_simd
 #include "tiles.h"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
 
 }  // namespace

@@ -1,9 +1,9 @@
 // Per-call work around the matmul on ARM NEON: int8 quantization of the activations, the fused
-// silu(gate) * up and decode attention, included inside neon.h's anonymous namespace (after its
-// tree16). The same bits as the scalar references (qmm_ref.cpp quantize_act, layers.cpp silu_mul /
-// dw_exp / attend_items): the same float operations in the same order,
-// one element per lane (vmulq + vaddq where the reference multiplies and adds: never vfmaq), exact
-// integer sums. No headers (and no std::) inside: builtins only.
+// silu(gate) * up, and the pieces of decode attention (head_dot, exp_sum, head_values; the scaffold is
+// attend.h), included inside neon.h's anonymous namespace (after its tree16). The same bits as the scalar
+// references (qmm_ref.cpp quantize_act; layers.cpp silu_mul, dw_exp, attend_items): the same float
+// operations in the same order, one element per lane (vmulq + vaddq where the reference multiplies and
+// adds: never vfmaq), exact integer sums. No headers (and no std::) inside.
 
 // round to nearest even for |v| < 2^22, as dw::round_even
 inline float32x4_t round_even4(float32x4_t v) {
@@ -110,9 +110,9 @@ void silu_mul_neon(const float* gu, int64_t M, int64_t F, float* out) {
   }
 }
 
-// o[j0 .. j0 + 32) += keys s0 .. s1 - 1 of the weighted value sum (see x86_act.h weighted_values)
-inline void weighted_values32(const float* p, float inv, const float* V, int64_t L, const int64_t* seen, int64_t s0,
-                              int64_t s1, int64_t hd, int64_t j0, float* o) {
+// o[j0 .. j0 + 32) += keys s0 .. s1 - 1 of the weighted value sum (attend.h head_values)
+inline void values_chunk32(const float* p, float inv, const float* V, int64_t L, const int64_t* seen, int64_t s0,
+                           int64_t s1, int64_t hd, int64_t j0, float* o) {
   float32x4_t a[8];
   for (int l = 0; l < 8; ++l) a[l] = s0 ? vld1q_f32(o + j0 + 4 * l) : vdupq_n_f32(0.f);
   for (int64_t s = s0; s < s1; ++s) {
@@ -123,65 +123,35 @@ inline void weighted_values32(const float* p, float inv, const float* V, int64_t
   for (int l = 0; l < 8; ++l) vst1q_f32(o + j0 + 4 * l, a[l]);
 }
 
-// IsaOps::attend_groups on NEON (see x86_act.h attend_groups_x86: the same order of operations, 4 lanes
-// at a time)
-void attend_groups_neon(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
-                        int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1, float* p,
-                        const int64_t* vis, const int64_t* nvis) {
-  const int64_t W = (nh + 2 * nkv) * hd, g = nh / nkv, KB = 16;
-  if (hd % 32 || g > 64) {
-    dw::attend_groups(qkv, kc, vc, start, B, T, nh, nkv, hd, cap, out, i0, i1, p, vis, nvis);
-    return;
-  }
-  const float scale = 1.0f / __builtin_sqrtf((float)hd);
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t b = i / (T * nkv), t = (i / nkv) % T, kvh = i % nkv;
-    const int64_t L = start[b];
-    const int64_t* seen = vis ? vis + (b * T + t) * T : nullptr;
-    const int64_t S = L + (vis ? nvis[b * T + t] : t + 1);
-    const float* q0 = qkv + (b * T + t) * W + kvh * g * hd;
-    const float* K = kc + (b * nkv + kvh) * cap * hd;
-    const float* V = vc + (b * nkv + kvh) * cap * hd;
-    float* o0 = out + (b * T + t) * nh * hd + kvh * g * hd;
-    float mx[64], inv[64];
-    for (int64_t h = 0; h < g; ++h) mx[h] = -__builtin_inff();
-    for (int64_t s0 = 0; s0 < S; s0 += KB) {
-      const int64_t s1 = s0 + KB < S ? s0 + KB : S;
-      for (int64_t h = 0; h < g; ++h)
-        for (int64_t s = s0; s < s1; ++s) {
-          const float* k = K + (s < L || !seen ? s : L + seen[s - L]) * hd;
-          const float* q = q0 + h * hd;
-          float32x4_t acc[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
-          for (int64_t j = 0; j < hd; j += 16)
-            for (int l = 0; l < 4; ++l) acc[l] = vaddq_f32(acc[l], vmulq_f32(vld1q_f32(q + j + 4 * l), vld1q_f32(k + j + 4 * l)));
-          const float v = tree16(acc) * scale;
-          p[h * S + s] = v;
-          mx[h] = v > mx[h] ? v : mx[h];
-        }
-    }
-    for (int64_t h = 0; h < g; ++h) {
-      float* ph = p + h * S;
-      float32x4_t sums[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
-      const float32x4_t vmx = vdupq_n_f32(mx[h]);
-      int64_t s = 0;
-      for (; s + 16 <= S; s += 16)
-        for (int l = 0; l < 4; ++l) {
-          const float32x4_t e = exp4(vsubq_f32(vld1q_f32(ph + s + 4 * l), vmx));
-          vst1q_f32(ph + s + 4 * l, e);
-          sums[l] = vaddq_f32(sums[l], e);
-        }
-      float sum[16];
-      for (int l = 0; l < 4; ++l) vst1q_f32(sum + 4 * l, sums[l]);
-      for (; s < S; ++s) {
-        ph[s] = dw::dw_exp(ph[s] - mx[h]);
-        sum[s % 16] = sum[s % 16] + ph[s];
-      }
-      inv[h] = 1.0f / dw::tree16(sum);
-    }
-    for (int64_t s0 = 0; s0 < S; s0 += KB) {
-      const int64_t s1 = s0 + KB < S ? s0 + KB : S;
-      for (int64_t h = 0; h < g; ++h)
-        for (int64_t j0 = 0; j0 < hd; j0 += 32) weighted_values32(p + h * S, inv[h], V, L, seen, s0, s1, hd, j0, o0 + h * hd);
-    }
-  }
+inline void head_values(const float* p, float inv, const float* V, int64_t L, const int64_t* seen, int64_t s0,
+                        int64_t s1, int64_t hd, float* o) {
+  for (int64_t j0 = 0; j0 < hd; j0 += 32) values_chunk32(p, inv, V, L, seen, s0, s1, hd, j0, o);
 }
+
+inline float head_dot(const float* q, const float* k, int64_t hd) {  // layers.cpp dot16, four 4-lane quarters
+  float32x4_t acc[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+  for (int64_t j = 0; j < hd; j += 16)
+    for (int l = 0; l < 4; ++l) acc[l] = vaddq_f32(acc[l], vmulq_f32(vld1q_f32(q + j + 4 * l), vld1q_f32(k + j + 4 * l)));
+  return tree16(acc);
+}
+
+inline float exp_sum(float* p, int64_t S, float mx) {
+  float32x4_t sums[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+  const float32x4_t vmx = vdupq_n_f32(mx);
+  int64_t s = 0;
+  for (; s + 16 <= S; s += 16)
+    for (int l = 0; l < 4; ++l) {
+      const float32x4_t e = exp4(vsubq_f32(vld1q_f32(p + s + 4 * l), vmx));
+      vst1q_f32(p + s + 4 * l, e);
+      sums[l] = vaddq_f32(sums[l], e);
+    }
+  float sum[16];
+  for (int l = 0; l < 4; ++l) vst1q_f32(sum + 4 * l, sums[l]);
+  for (; s < S; ++s) {
+    p[s] = dw::dw_exp(p[s] - mx);
+    sum[s % 16] = sum[s % 16] + p[s];
+  }
+  return dw::tree16(sum);
+}
+
+#include "attend.h"  // attend_groups_simd

@@ -5,7 +5,7 @@
 #include "neon.h"
 namespace dw {
 const IsaOps* neon_ops() {
-  static const IsaOps ops = {"neon", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_neon};
+  static const IsaOps ops = {"neon", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_simd};
   return &ops;
 }
 }  // namespace dw

@@ -26,7 +26,7 @@ using dw::QmmArgs;
 constexpr int MB_MAX = DW_MB;              // activation rows per pass over a weight row (2 accumulators each)
 constexpr int64_t PREFETCH = 2048;     // bytes of codes ahead
 
-#include "x86_act.h"  // tree16(lo, hi); quantize_act_x86, silu_mul_x86, attend_groups_x86
+#include "x86_act.h"  // tree16(lo, hi); quantize_act_x86, silu_mul_x86, attend_groups_simd
 
 // 16-lane fma accumulation of o[g] * v[g] into lane g % 16, then tree16 (the affine offset)
 inline float offset16(const float* o, const float* v, int64_t ng) {

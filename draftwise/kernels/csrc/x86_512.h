@@ -143,7 +143,7 @@ inline void column_f32(const QmmArgs& a, int64_t n, int64_t m0) {
   }
 }
 
-#include "x86_act.h"  // quantize_act_x86, silu_mul_x86, attend_groups_x86 (256-bit)
+#include "x86_act.h"  // quantize_act_x86, silu_mul_x86, attend_groups_simd (256-bit)
 #include "tiles.h"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
 
 }  // namespace

@@ -1,9 +1,10 @@
 // Per-call work around the matmul on x86 (AVX2; the AVX-512 paths use it too): int8 quantization of the
-// activations, the fused silu(gate) * up and decode attention. Included inside the anonymous namespace of x86_256.h and
-// x86_512.h, so each path compiles its own copy under its `#pragma GCC target`. Both compute exactly the
-// bits of their scalar references (qmm_ref.cpp quantize_act, layers.cpp silu_mul / dw_exp / attend_items): the same
-// float operations in the same order, one element per lane (no reassociation, no FMA where the reference
-// has a multiply and an add), and exact integer sums. No headers (and no std::) inside: builtins only.
+// activations, the fused silu(gate) * up, and the pieces of decode attention (head_dot, exp_sum,
+// head_values; the scaffold is attend.h). Included inside the anonymous namespace of x86_256.h and
+// x86_512.h, so each path compiles its own copy under its `#pragma GCC target`. All compute exactly the
+// bits of their scalar references (qmm_ref.cpp quantize_act; layers.cpp silu_mul, dw_exp, attend_items):
+// the same float operations in the same order, one element per lane (no reassociation, no FMA where the
+// reference has a multiply and an add), and exact integer sums. No headers (and no std::) inside.
 
 // the rule's 16-lane sum (qmm.h tree16) of lanes 0-7 in lo and 8-15 in hi
 inline float tree16(__m256 lo, __m256 hi) {
@@ -131,11 +132,11 @@ void silu_mul_x86(const float* gu, int64_t M, int64_t F, float* out) {
   }
 }
 
-// o[j0 .. j0 + 8 NR) += sum over keys s0 .. s1 - 1, in order, of (p[s] * inv) * v[s][j] (multiply, then
-// add; from zero when s0 == 0), the NR accumulators held in registers through the pass over the keys
+// o[j0 .. j0 + 8 NR) += keys s0 .. s1 - 1 of the weighted value sum (attend.h head_values), the NR
+// accumulators held in registers through the pass over the keys
 template <int NR>
-inline void weighted_values(const float* p, float inv, const float* V, int64_t L, const int64_t* seen, int64_t s0,
-                            int64_t s1, int64_t hd, int64_t j0, float* o) {
+inline void values_chunk(const float* p, float inv, const float* V, int64_t L, const int64_t* seen, int64_t s0,
+                         int64_t s1, int64_t hd, int64_t j0, float* o) {
   __m256 acc[NR];
   for (int l = 0; l < NR; ++l) acc[l] = s0 ? _mm256_loadu_ps(o + j0 + 8 * l) : _mm256_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
@@ -146,10 +147,18 @@ inline void weighted_values(const float* p, float inv, const float* V, int64_t L
   for (int l = 0; l < NR; ++l) _mm256_storeu_ps(o + j0 + 8 * l, acc[l]);
 }
 
-// score of query q against key k (hd % 16 == 0): layers.cpp dot16 (16 lanes of multiply-then-add, tree16);
-// HD > 0: the head size known at compile time (the loop unrolled)
+inline void head_values(const float* p, float inv, const float* V, int64_t L, const int64_t* seen, int64_t s0,
+                        int64_t s1, int64_t hd, float* o) {
+  if (hd % 64) {
+    for (int64_t j0 = 0; j0 < hd; j0 += 32) values_chunk<4>(p, inv, V, L, seen, s0, s1, hd, j0, o);
+  } else {
+    for (int64_t j0 = 0; j0 < hd; j0 += 64) values_chunk<8>(p, inv, V, L, seen, s0, s1, hd, j0, o);
+  }
+}
+
+// layers.cpp dot16 (16 lanes of multiply-then-add, tree16); HD > 0: the head size known at compile time
 template <int64_t HD>
-inline float dot16_x86(const float* q, const float* k, int64_t hd) {
+inline float dot_lanes(const float* q, const float* k, int64_t hd) {
   if (HD) hd = HD;
   __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
   for (int64_t j = 0; j < hd; j += 16) {
@@ -159,70 +168,27 @@ inline float dot16_x86(const float* q, const float* k, int64_t hd) {
   return tree16(lo, hi);
 }
 
-// IsaOps::attend_groups: dw::attend_items for every query head of each (row, token, KV head) group: scores,
-// the reference's softmax (max, exp, 16-lane sum), then the weighted sum of values, each output element
-// accumulating the keys in order — the reference's bits. The group's heads share each block of keys and
-// values while it is in L1 (read from L2 once per group, not once per head: that read was the cost).
-// Head sizes that are not a multiple of 32, or groups over 64 heads, take the reference.
-void attend_groups_x86(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
-                       int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1, float* p,
-                       const int64_t* vis, const int64_t* nvis) {
-  const int64_t W = (nh + 2 * nkv) * hd, g = nh / nkv, KB = 16;  // KB keys of K (or V) per block: 8 KiB at hd 128
-  if (hd % 32 || g > 64) {
-    dw::attend_groups(qkv, kc, vc, start, B, T, nh, nkv, hd, cap, out, i0, i1, p, vis, nvis);
-    return;
-  }
-  const float scale = 1.0f / __builtin_sqrtf((float)hd);
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t b = i / (T * nkv), t = (i / nkv) % T, kvh = i % nkv;
-    const int64_t L = start[b];
-    const int64_t* seen = vis ? vis + (b * T + t) * T : nullptr;
-    const int64_t S = L + (vis ? nvis[b * T + t] : t + 1);  // p holds g rows of S scores
-    const float* q0 = qkv + (b * T + t) * W + kvh * g * hd;
-    const float* K = kc + (b * nkv + kvh) * cap * hd;
-    const float* V = vc + (b * nkv + kvh) * cap * hd;
-    float* o0 = out + (b * T + t) * nh * hd + kvh * g * hd;
-    float mx[64], inv[64];
-    for (int64_t h = 0; h < g; ++h) mx[h] = -__builtin_inff();
-    for (int64_t s0 = 0; s0 < S; s0 += KB) {
-      const int64_t s1 = s0 + KB < S ? s0 + KB : S;
-      for (int64_t h = 0; h < g; ++h)
-        for (int64_t s = s0; s < s1; ++s) {
-          const float* k = K + (s < L || !seen ? s : L + seen[s - L]) * hd;
-          const float* q = q0 + h * hd;
-          const float v = (hd == 128 ? dot16_x86<128>(q, k, hd) : hd == 64 ? dot16_x86<64>(q, k, hd) : dot16_x86<0>(q, k, hd)) * scale;
-          p[h * S + s] = v;
-          mx[h] = v > mx[h] ? v : mx[h];
-        }
-    }
-    for (int64_t h = 0; h < g; ++h) {
-      float* ph = p + h * S;
-      __m256 slo = _mm256_setzero_ps(), shi = _mm256_setzero_ps();
-      const __m256 vmx = _mm256_set1_ps(mx[h]);
-      int64_t s = 0;
-      for (; s + 16 <= S; s += 16) {
-        const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(ph + s), vmx));
-        const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(ph + s + 8), vmx));
-        _mm256_storeu_ps(ph + s, e0), _mm256_storeu_ps(ph + s + 8, e1);
-        slo = _mm256_add_ps(slo, e0), shi = _mm256_add_ps(shi, e1);
-      }
-      float sum[16];
-      _mm256_storeu_ps(sum, slo), _mm256_storeu_ps(sum + 8, shi);
-      for (; s < S; ++s) {
-        ph[s] = dw::dw_exp(ph[s] - mx[h]);
-        sum[s % 16] = sum[s % 16] + ph[s];
-      }
-      inv[h] = 1.0f / dw::tree16(sum);
-    }
-    for (int64_t s0 = 0; s0 < S; s0 += KB) {
-      const int64_t s1 = s0 + KB < S ? s0 + KB : S;
-      for (int64_t h = 0; h < g; ++h) {
-        if (hd % 64) {
-          for (int64_t j0 = 0; j0 < hd; j0 += 32) weighted_values<4>(p + h * S, inv[h], V, L, seen, s0, s1, hd, j0, o0 + h * hd);
-        } else {
-          for (int64_t j0 = 0; j0 < hd; j0 += 64) weighted_values<8>(p + h * S, inv[h], V, L, seen, s0, s1, hd, j0, o0 + h * hd);
-        }
-      }
-    }
-  }
+inline float head_dot(const float* q, const float* k, int64_t hd) {  // the common head sizes unrolled
+  return hd == 128 ? dot_lanes<128>(q, k, hd) : hd == 64 ? dot_lanes<64>(q, k, hd) : dot_lanes<0>(q, k, hd);
 }
+
+inline float exp_sum(float* p, int64_t S, float mx) {
+  __m256 slo = _mm256_setzero_ps(), shi = _mm256_setzero_ps();
+  const __m256 vmx = _mm256_set1_ps(mx);
+  int64_t s = 0;
+  for (; s + 16 <= S; s += 16) {
+    const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), vmx));
+    const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s + 8), vmx));
+    _mm256_storeu_ps(p + s, e0), _mm256_storeu_ps(p + s + 8, e1);
+    slo = _mm256_add_ps(slo, e0), shi = _mm256_add_ps(shi, e1);
+  }
+  float sum[16];
+  _mm256_storeu_ps(sum, slo), _mm256_storeu_ps(sum + 8, shi);
+  for (; s < S; ++s) {
+    p[s] = dw::dw_exp(p[s] - mx);
+    sum[s % 16] = sum[s % 16] + p[s];
+  }
+  return dw::tree16(sum);
+}
+
+#include "attend.h"  // attend_groups_simd
