@@ -119,14 +119,16 @@ def test_every_path_gives_the_reference_bits(path):
             assert torch.equal(lin(x[4:5]), ref1), f"{name} act {act_bits}: one row differs on {path}"
 
 
-def test_fused_layer_ops_give_the_reference_bits_on_every_path(path):
+@pytest.mark.parametrize("nh,nkv,hd", [(6, 2, 128), (9, 3, 64), (8, 1, 64), (4, 4, 32)])
+def test_fused_layer_ops_give_the_reference_bits_on_every_path(path, nh, nkv, hd):
     """silu·up and decode attention (causal and tree-masked, cached prefixes below and above a 16-key
-    block) run on the path's vectors through the torch bindings, with the scalar reference's bits."""
+    block; grouped-query, multi-query and one KV head per query head) run on the path's vectors through
+    the torch bindings, with the scalar reference's bits."""
     ext = extension()
     g = torch.Generator().manual_seed(7)
     gu = torch.randn(3, 2, 2 * 203, generator=g) * 6  # (B, T, 2F), F with a tail past 8 lanes
     gu[0, 0, :4] = torch.tensor([88.5, -88.5, 100.0, -100.0])
-    nh, nkv, hd, cap, B, T = 6, 2, 128, 80, 2, 4
+    cap, B, T = 80, 2, 4
     qkv = torch.randn(B, T, (nh + 2 * nkv) * hd, generator=g)
     cos, sin = torch.randn(B, T, hd, generator=g), torch.randn(B, T, hd, generator=g)
     kc, vc = torch.randn(B, nkv, cap, hd, generator=g), torch.randn(B, nkv, cap, hd, generator=g)

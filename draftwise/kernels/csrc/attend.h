@@ -6,30 +6,30 @@
 //   void head_values(const float* p, float inv, const float* V, int64_t L, const int64_t* seen,
 //                    int64_t s0, int64_t s1, int64_t hd, float* o)   o[j] (+)= (p[s] * inv) * v[s][j],
 //                                                                    keys s0..s1-1 in order (from 0 if s0 == 0)
-// IsaOps::attend_groups: dw::attend_items for every query head of each (row, token, KV head) group, with
-// the reference's bits: scores, max, exp and 16-lane sum, then each output element accumulating the keys in
+// IsaOps::attend_groups: dw::attend_items for the hc query heads of each group (row, token, heads sharing a
+// KV head; see qmm.h attend_groups), with the reference's bits: scores, max, exp and 16-lane sum, then each output element accumulating the keys in
 // order. The group's heads share each block of keys and values while it is in L1 (read from L2 once per
 // group, not once per head). Head sizes that are not a multiple of 32, or groups over 64 heads, take the
 // reference. No #include here.
 void attend_groups_simd(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
-                        int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1, float* p,
-                        const int64_t* vis, const int64_t* nvis) {
-  const int64_t W = (nh + 2 * nkv) * hd, g = nh / nkv, KB = 16;  // KB keys of K (or V) per block: 8 KiB at hd 128
+                        int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, float* out, int64_t i0, int64_t i1,
+                        float* p, const int64_t* vis, const int64_t* nvis) {
+  const int64_t W = (nh + 2 * nkv) * hd, g = hc, per = nh / hc, KB = 16;  // KB keys per block: 8 KiB at hd 128
   if (hd % 32 || g > 64) {
-    dw::attend_groups(qkv, kc, vc, start, B, T, nh, nkv, hd, cap, out, i0, i1, p, vis, nvis);
+    dw::attend_groups(qkv, kc, vc, start, B, T, nh, nkv, hd, cap, hc, out, i0, i1, p, vis, nvis);
     return;
   }
   const float scale = 1.0f / __builtin_sqrtf((float)hd);
   for (int64_t i = i0; i < i1; ++i) {
-    const int64_t b = i / (T * nkv), t = (i / nkv) % T, kvh = i % nkv;
+    const int64_t b = i / (T * per), t = (i / per) % T, h0 = (i % per) * g, kvh = h0 / (nh / nkv);
     const int64_t L = start[b];
     // the keys token t sees, in order: slots 0..L-1, then its visible new tokens (a tree node: its path)
     const int64_t* seen = vis ? vis + (b * T + t) * T : nullptr;
     const int64_t S = L + (vis ? nvis[b * T + t] : t + 1);  // p holds g rows of S scores
-    const float* q0 = qkv + (b * T + t) * W + kvh * g * hd;
+    const float* q0 = qkv + (b * T + t) * W + h0 * hd;
     const float* K = kc + (b * nkv + kvh) * cap * hd;
     const float* V = vc + (b * nkv + kvh) * cap * hd;
-    float* o0 = out + (b * T + t) * nh * hd + kvh * g * hd;
+    float* o0 = out + (b * T + t) * nh * hd + h0 * hd;
     float mx[64], inv[64];
     for (int64_t h = 0; h < g; ++h) mx[h] = -__builtin_inff();
     for (int64_t s0 = 0; s0 < S; s0 += KB) {

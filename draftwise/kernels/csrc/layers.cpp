@@ -132,13 +132,21 @@ void attend_items(const float* qkv, const float* kc, const float* vc, const int6
 }
 
 void attend_groups(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
-                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1, float* p,
-                   const int64_t* vis, const int64_t* nvis) {
+                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, float* out, int64_t i0, int64_t i1,
+                   float* p, const int64_t* vis, const int64_t* nvis) {
+  (void)nkv;
+  for (int64_t i = i0; i < i1; ++i)  // group i: items (b * T + t) * nh + head, heads i * hc .. (mod nh)
+    attend_items(qkv, kc, vc, start, B, T, nh, nkv, hd, cap, out, i * hc, (i + 1) * hc, p, vis, nvis);
+}
+
+int64_t attend_heads_per_group(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t threads) {
   const int64_t g = nh / nkv;
-  for (int64_t i = i0; i < i1; ++i) {  // group (b, t, kvh): items (b * T + t) * nh + kvh * g ..
-    const int64_t first = (i / nkv) * nh + (i % nkv) * g;
-    attend_items(qkv, kc, vc, start, B, T, nh, nkv, hd, cap, out, first, first + g, p, vis, nvis);
+  for (int64_t hc = g; hc > 1; --hc) {
+    if (g % hc) continue;
+    const int64_t groups = B * T * nh / hc;
+    if ((groups >= threads && groups % threads == 0) || groups >= 4 * threads) return hc;
   }
+  return 1;
 }
 
 void dequantize_bf16_rows(const uint8_t* q, const float* scale, const float* minv, int64_t K, int64_t G,

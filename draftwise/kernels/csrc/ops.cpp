@@ -102,9 +102,10 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   auto out = torch::empty({B, T, nh * hd}, qkv.options());
   float* op = out.data_ptr<float>();
   const dw::IsaOps* ops = dw::active();
-  at::parallel_for(0, B * T * nkv, 1, [&](int64_t i0, int64_t i1) {  // (row, token, KV head) groups
-    std::vector<float> p(most * (nh / nkv));
-    ops->attend_groups(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, op, i0, i1, p.data(),
+  const int64_t hc = dw::attend_heads_per_group(B, T, nh, nkv, at::get_num_threads());  // heads per group
+  at::parallel_for(0, B * T * nh / hc, 1, [&](int64_t i0, int64_t i1) {  // groups: (row, token, hc heads)
+    std::vector<float> p(most * hc);
+    ops->attend_groups(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, hc, op, i0, i1, p.data(),
                      tree ? vis.data_ptr<int64_t>() : nullptr, tree ? nvis.data_ptr<int64_t>() : nullptr);
   });
   return out;

@@ -74,8 +74,8 @@ struct IsaOps {
                        int32_t* bias, float* gs);
   void (*silu_mul)(const float* gu, int64_t M, int64_t F, float* out);
   void (*attend_groups)(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B,
-                        int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0,
-                        int64_t i1, float* scratch, const int64_t* vis, const int64_t* nvis);
+                        int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, float* out,
+                        int64_t i0, int64_t i1, float* scratch, const int64_t* vis, const int64_t* nvis);
 };
 
 // int8 activations apply when the code rows split into whole 32-byte half steps
@@ -161,12 +161,16 @@ void rope_append(float* qkv, const float* cos, const float* sin, float* kc, floa
 void attend_items(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1,
                   float* scratch /* >= max keys */, const int64_t* vis = nullptr, const int64_t* nvis = nullptr);
-// attend_items for the nh / nkv query heads of each group i in [i0, i1) of B * T * nkv (row b, token t, KV
-// head): the unit the paths parallelize over (the reference of IsaOps::attend_groups). scratch: >= (nh / nkv)
-// * max keys
+// attend_items for the hc consecutive query heads of each group i in [i0, i1) of B * T * nh / hc (row b,
+// token t, heads (i % (nh / hc)) * hc ..): the unit the paths parallelize over, hc a divisor of nh / nkv so
+// that a group's heads share one KV head (the reference of IsaOps::attend_groups; attend_heads_per_group
+// picks hc). scratch: >= hc * max keys
 void attend_groups(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
-                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1,
+                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, float* out, int64_t i0, int64_t i1,
                    float* scratch, const int64_t* vis = nullptr, const int64_t* nvis = nullptr);
+// hc for attend_groups: the most heads per group (the fewest reads of each key block) that still gives
+// `threads` threads an even share of groups, or at least 4 groups each
+int64_t attend_heads_per_group(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t threads);
 // (N, K) bf16 bits of w = scale * q - minv (rounded to nearest even), rows n0..n1
 void dequantize_bf16_rows(const uint8_t* q, const float* scale, const float* minv, int64_t K, int64_t G,
                           int64_t bits, uint16_t* out, int64_t n0, int64_t n1);

@@ -148,19 +148,31 @@ int check_attention(const char* const* names, int npaths) {
       dw::attend_items(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, ref.data(), 0, B * T * nh,
                        p.data(), vp, np);
       for (int q = 0; q < npaths; ++q) {
-        std::fill(out.begin(), out.end(), -1.f);
         const dw::IsaOps* ops = dw::path_by_name(names[q]);
-        // two calls, as threads would split the groups (odd split: a row's groups on both sides)
-        ops->attend_groups(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, out.data(), 0, 3, p.data(), vp, np);
-        ops->attend_groups(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, out.data(), 3, B * T * nkv,
-                           p.data(), vp, np);
-        if (std::memcmp(out.data(), ref.data(), ref.size() * 4)) {
-          std::printf("MISMATCH attention hd=%lld tree=%d on path %s\n", (long long)hd, tree, names[q]);
-          ++failures;
+        for (int64_t hc : {nh / nkv, (int64_t)1}) {  // whole KV groups, single heads
+          std::fill(out.begin(), out.end(), -1.f);
+          // two calls, as threads would split the groups (odd split: a row's groups on both sides)
+          const int64_t groups = B * T * nh / hc;
+          ops->attend_groups(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, hc, out.data(), 0, 3, p.data(), vp, np);
+          ops->attend_groups(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, hc, out.data(), 3, groups,
+                             p.data(), vp, np);
+          if (std::memcmp(out.data(), ref.data(), ref.size() * 4)) {
+            std::printf("MISMATCH attention hd=%lld tree=%d heads/group=%lld on path %s\n", (long long)hd, tree,
+                        (long long)hc, names[q]);
+            ++failures;
+          }
         }
       }
     }
   }
+  // heads per group: whole KV groups when they split evenly over the threads, else smaller ones
+  const int64_t want[][6] = {{1, 1, 12, 2, 2, 6}, {1, 4, 12, 2, 2, 6}, {1, 1, 9, 3, 2, 1}, {1, 1, 8, 1, 2, 4}, {2, 1, 14, 2, 2, 7}};
+  for (const auto& w : want)
+    if (dw::attend_heads_per_group(w[0], w[1], w[2], w[3], w[4]) != w[5]) {
+      std::printf("attend_heads_per_group(B=%lld, T=%lld, nh=%lld, nkv=%lld, threads=%lld) != %lld\n", (long long)w[0],
+                  (long long)w[1], (long long)w[2], (long long)w[3], (long long)w[4], (long long)w[5]);
+      ++failures;
+    }
   return failures;
 }
 
