@@ -39,17 +39,13 @@ inline void rope(float* x, const float* c, const float* s, int64_t hd) {
 
 float dw_exp(float x) {
   if (x != x) return x;
-  if (x > 88.72283f) return INFINITY;
-  if (x < -87.0f) return 0.f;  // below the normal range: flushed (deterministically) to zero
-  const float n = round_even(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;     // ln 2 split in two: n * C1 is exact
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;         // Cephes expf minimax polynomial on |r| <= ln2 / 2
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  if (x > kExpHi) return INFINITY;
+  if (x < kExpLo) return 0.f;  // below the normal range: flushed (deterministically) to zero
+  const float n = round_even(x * kExpLog2e);
+  float r = x - n * kExpLn2Hi;  // (qmm.h: the constants)
+  r = r + n * kExpLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   const float y = (p * (r * r) + r) + 1.0f;
   // y * 2^n, exact: n in [-126, 128]; 2^128 is not a float, so that case scales in two steps
   const int ni = (int)n;

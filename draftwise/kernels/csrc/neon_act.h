@@ -7,7 +7,7 @@
 
 // round to nearest even for |v| < 2^22, as dw::round_even
 inline float32x4_t round_even4(float32x4_t v) {
-  const float32x4_t m = vdupq_n_f32(12582912.0f);
+  const float32x4_t m = vdupq_n_f32(dw::kRoundMagic);
   return vsubq_f32(vaddq_f32(v, m), m);
 }
 
@@ -71,15 +71,11 @@ void quantize_act_neon(const float* xp, int64_t M, int64_t K, int64_t G, int64_t
 
 // dw::dw_exp on 4 lanes: the same Cephes polynomial, the same operations (no FMA), the same special cases
 inline float32x4_t exp4(float32x4_t x) {
-  const float32x4_t n = round_even4(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
-  float32x4_t r = vsubq_f32(x, vmulq_f32(n, vdupq_n_f32(0.693359375f)));
-  r = vaddq_f32(r, vmulq_f32(n, vdupq_n_f32(2.12194440e-4f)));
-  float32x4_t p = vdupq_n_f32(1.9875691500e-4f);
-  p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(1.3981999507e-3f));
-  p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(8.3334519073e-3f));
-  p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(4.1665795894e-2f));
-  p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(1.6666665459e-1f));
-  p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(5.0000001201e-1f));
+  const float32x4_t n = round_even4(vmulq_f32(x, vdupq_n_f32(dw::kExpLog2e)));
+  float32x4_t r = vsubq_f32(x, vmulq_f32(n, vdupq_n_f32(dw::kExpLn2Hi)));
+  r = vaddq_f32(r, vmulq_f32(n, vdupq_n_f32(dw::kExpLn2Lo)));
+  float32x4_t p = vdupq_n_f32(dw::kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(dw::kExpPoly[i]));
   const float32x4_t y = vaddq_f32(vaddq_f32(vmulq_f32(p, vmulq_f32(r, r)), r), vdupq_n_f32(1.0f));
   // y * 2^n; n = 128 (x just below the overflow bound) scales by 2^127 and then 2
   const int32x4_t ni = vcvtq_s32_f32(n);
@@ -88,8 +84,8 @@ inline float32x4_t exp4(float32x4_t x) {
   const float32x4_t scale = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(e, vdupq_n_s32(127)), 23));
   const float32x4_t ys = vmulq_f32(y, scale);
   float32x4_t res = vbslq_f32(big, vmulq_f32(ys, vdupq_n_f32(2.0f)), ys);
-  res = vbslq_f32(vcltq_f32(x, vdupq_n_f32(-87.0f)), vdupq_n_f32(0.f), res);
-  res = vbslq_f32(vcgtq_f32(x, vdupq_n_f32(88.72283f)), vdupq_n_f32(__builtin_inff()), res);
+  res = vbslq_f32(vcltq_f32(x, vdupq_n_f32(dw::kExpLo)), vdupq_n_f32(0.f), res);
+  res = vbslq_f32(vcgtq_f32(x, vdupq_n_f32(dw::kExpHi)), vdupq_n_f32(__builtin_inff()), res);
   return vbslq_f32(vceqq_f32(x, x), res, x);  // NaN in, NaN out
 }
 

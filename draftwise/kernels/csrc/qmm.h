@@ -102,10 +102,12 @@ inline float tree16(const float* a) {
   return d[0] + d[1];
 }
 
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: (v + m) - m rounds |v| < 2^22 to nearest even
+
 // round to nearest, ties to even, for |v| < 2^22: exact, inline everywhere (std::nearbyint is a library
 // call on baseline x86-64, which has no SSE4.1 roundss)
 inline float round_even(float v) {
-  volatile float magic = 12582912.0f;  // 1.5 * 2^23 (volatile: the compiler may not fold the two adds)
+  volatile float magic = kRoundMagic;  // volatile: the compiler may not fold the two adds
   const float m = magic;
   return (v + m) - m;
 }
@@ -150,6 +152,14 @@ void qmm_columns(const IsaOps* ops, const QmmArgs& a, bool q8, int64_t n0, int64
 
 // ---- fused layer ops (layers.cpp): portable, fixed-order, same bits everywhere ----
 float dw_exp(float x);  // exp with a fixed polynomial (libm's expf differs between builds)
+// dw_exp's constants, one definition for the reference and every path's vector exp (x86_act.h exp8,
+// neon_act.h exp4): n = round_even(x * kExpLog2e); r = (x - n * kExpLn2Hi) + n * kExpLn2Lo (ln 2 split in
+// two: n * kExpLn2Hi is exact); p = Horner over kExpPoly (Cephes expf minimax on |r| <= ln2 / 2);
+// y = (p * (r * r) + r) + 1; y * 2^n. Above kExpHi: +inf; below kExpLo: 0 (flushed, deterministically)
+constexpr float kExpHi = 88.72283f, kExpLo = -87.0f, kExpLog2e = 1.44269504088896341f;
+constexpr float kExpLn2Hi = 0.693359375f, kExpLn2Lo = 2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 void rms_norm(const float* x, const float* w, int64_t M, int64_t D, float eps, float* out);
 void silu_mul(const float* gu, int64_t M, int64_t F, float* out);  // the reference of IsaOps::silu_mul
 void rope_append(float* qkv, const float* cos, const float* sin, float* kc, float* vc, const int64_t* start,

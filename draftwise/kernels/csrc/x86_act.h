@@ -16,7 +16,7 @@ inline float tree16(__m256 lo, __m256 hi) {
 
 // round to nearest even for |v| < 2^22, as dw::round_even: (v + 1.5 * 2^23) - 1.5 * 2^23
 inline __m256 round_even8(__m256 v) {
-  const __m256 m = _mm256_set1_ps(12582912.0f);
+  const __m256 m = _mm256_set1_ps(dw::kRoundMagic);
   return _mm256_sub_ps(_mm256_add_ps(v, m), m);
 }
 
@@ -93,15 +93,11 @@ void quantize_act_x86(const float* xp, int64_t M, int64_t K, int64_t G, int64_t 
 
 // dw::dw_exp on 8 lanes: the same Cephes polynomial, the same operations (no FMA), the same special cases
 inline __m256 exp8(__m256 x) {
-  const __m256 n = round_even8(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)));
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 n = round_even8(_mm256_mul_ps(x, _mm256_set1_ps(dw::kExpLog2e)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(dw::kExpLn2Hi)));
+  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(dw::kExpLn2Lo)));
+  __m256 p = _mm256_set1_ps(dw::kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(dw::kExpPoly[i]));
   const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
   // y * 2^n; n = 128 (x just below the overflow bound) scales by 2^127 and then 2
   const __m256i ni = _mm256_cvttps_epi32(n);
@@ -110,8 +106,8 @@ inline __m256 exp8(__m256 x) {
   const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
   const __m256 ys = _mm256_mul_ps(y, scale);
   __m256 res = _mm256_blendv_ps(ys, _mm256_mul_ps(ys, _mm256_set1_ps(2.0f)), _mm256_castsi256_ps(big));
-  res = _mm256_blendv_ps(res, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
-  res = _mm256_blendv_ps(res, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(x, _mm256_set1_ps(88.72283f), _CMP_GT_OQ));
+  res = _mm256_blendv_ps(res, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(dw::kExpLo), _CMP_LT_OQ));
+  res = _mm256_blendv_ps(res, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(x, _mm256_set1_ps(dw::kExpHi), _CMP_GT_OQ));
   return _mm256_blendv_ps(res, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN in, NaN out
 }
 
