@@ -88,6 +88,79 @@ def test_kernel_is_batch_invariant(path, bits, group, act_bits):
     assert torch.equal(lin(x[3:9]), full[3:9])
 
 
+
+def _threads(n: int):
+    """torch.set_num_threads(n) within a block (the kernel's pool takes its thread count from torch)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def block():
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+    return block()
+
+
+def test_thread_count_never_changes_a_result():
+    """The kernel's pool (csrc/pool.h) hands out chunks of output columns to whichever thread is free:
+    the result is the same bits for 1, 2, 3 and 5 threads, for matmuls over many and few columns and
+    for decode attention."""
+    if extension() is None:
+        pytest.skip("the C++ kernel is not built here")
+    g = torch.Generator().manual_seed(11)
+    lins = [QLinear(*quantize_rtn(torch.randn(n, 256, generator=g), 4, 32), 32, 4) for n in (3, 40, 1000)]
+    x = torch.randn(5, 256, generator=g)
+    ext = extension()
+    B, T, nh, nkv, hd, cap = 2, 3, 6, 2, 16, 40
+    qkv = torch.randn(B, T, (nh + 2 * nkv) * hd, generator=g)
+    cos, sin = torch.randn(B, T, hd, generator=g), torch.randn(B, T, hd, generator=g)
+    kc0, vc0 = torch.randn(B, nkv, cap, hd, generator=g), torch.randn(B, nkv, cap, hd, generator=g)
+
+    def run():
+        kc, vc = kc0.clone(), vc0.clone()
+        att = ext.decode_attention(qkv.clone(), cos, sin, kc, vc, [7, 20], nh, nkv, torch.empty(0), torch.empty(0))
+        return [lin(x) for lin in lins] + [att, kc, vc]
+
+    with _threads(1):
+        want = run()
+    for n in (2, 3, 5):
+        with _threads(n):
+            for _ in range(3):
+                assert all(torch.equal(a, b) for a, b in zip(run(), want)), f"{n} threads"
+
+
+def _qmm_in_child(conn, lin, x):  # runs in a forked child: the parent's pool threads do not exist there
+    conn.send(lin(x).tolist())  # (only the kernel runs here: torch's own OpenMP is not fork-safe)
+    conn.close()
+
+
+def test_kernel_threads_work_in_a_forked_child():
+    """A process forked after the kernel ran (multiprocessing's fork start method, a pre-forking
+    server) gets a fresh pool instead of waiting for helper threads that were not copied."""
+    import multiprocessing as mp
+
+    if extension() is None:
+        pytest.skip("the C++ kernel is not built here")
+    g = torch.Generator().manual_seed(5)
+    lin = QLinear(*quantize_rtn(torch.randn(500, 256, generator=g), 4, 32), 32, 4)
+    x = torch.randn(4, 256, generator=g)
+    with _threads(2):
+        want = lin(x)  # the parent's pool is running now
+        ctx = mp.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_qmm_in_child, args=(child, lin, x))
+        proc.start()
+        got = parent.recv() if parent.poll(120) else None
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert got is not None, "the forked child did not answer (stuck on the parent's pool?)"
+    assert torch.equal(torch.tensor(got), want)
+
+
 def _every_format(g: torch.Generator) -> list[tuple[str, QLinear, int]]:
     """(name, layer, K) for every weight format and tail shape the kernel has."""
     out = []

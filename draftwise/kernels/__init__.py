@@ -101,7 +101,7 @@ CSRC = Path(__file__).with_name("csrc")
 # moves between machines). No -ffast-math, and no contraction of a * b + c into an FMA the source did not
 # ask for: the numeric rule (csrc/qmm.h) is the same on every path only if the compiler keeps every
 # operation as written.
-CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-pthread"]  # threads: csrc/pool.h
 ISAS = ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "neon", "neondot")  # + "vnni", "auto"
 
 
@@ -133,7 +133,7 @@ def extension():
                 from torch.utils.cpp_extension import load
 
                 _ext = load(name=build_name(), sources=[str(p) for p in kernel_sources()],
-                            extra_include_paths=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                            extra_include_paths=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=["-pthread"],
                             verbose=False)
             except Exception as e:  # no compiler, no ninja, ...
                 log.warning("draftwise: quantized kernel unavailable (%s); using the slower torch path", e)

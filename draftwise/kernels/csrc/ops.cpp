@@ -1,11 +1,13 @@
-// torch bindings of the kernel core (qmm.h): the only file that includes torch. Threads come from
-// at::parallel_for (torch's pool), split over output columns, so a row's result never depends on the split.
+// torch bindings of the kernel core (qmm.h): the only file that includes torch. Threads come from the
+// kernel's own pool (pool.h; as many as torch's at::get_num_threads()), split over output columns, so a
+// row's result never depends on the split.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <string>
 #include <vector>
 
+#include "pool.h"
 #include "qmm.h"
 
 // x: (M, K) f32; q: (N, K) int8 | (N, K/2) uint8 | (N, K) int16 / int32 views of bf16 / fp32;
@@ -47,7 +49,7 @@ torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::
     dw::group_sums(a.x, M, K, G, xsum.data());
     a.xsum = xsum.data();
   }
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { dw::qmm_columns(ops, a, q8, n0, n1); });
+  dw::parallel_for(N, 16, at::get_num_threads(), [&](int64_t n0, int64_t n1) { dw::qmm_columns(ops, a, q8, n0, n1); });
   return out;
 }
 
@@ -62,7 +64,8 @@ torch::Tensor dequantize_bf16(torch::Tensor q, torch::Tensor scale, torch::Tenso
   const float* sp = scale.data_ptr<float>();
   const float* mp = has_min ? minv.data_ptr<float>() : nullptr;
   uint16_t* op = (uint16_t*)out.data_ptr();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { dw::dequantize_bf16_rows(qp, sp, mp, K, G, bits, op, n0, n1); });
+  dw::parallel_for(N, 64, at::get_num_threads(),
+                   [&](int64_t n0, int64_t n1) { dw::dequantize_bf16_rows(qp, sp, mp, K, G, bits, op, n0, n1); });
   return out;
 }
 
@@ -102,8 +105,9 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   auto out = torch::empty({B, T, nh * hd}, qkv.options());
   float* op = out.data_ptr<float>();
   const dw::IsaOps* ops = dw::active();
-  const int64_t hc = dw::attend_heads_per_group(B, T, nh, nkv, at::get_num_threads());  // heads per group
-  at::parallel_for(0, B * T * nh / hc, 1, [&](int64_t i0, int64_t i1) {  // groups: (row, token, hc heads)
+  const int threads = at::get_num_threads();
+  const int64_t hc = dw::attend_heads_per_group(B, T, nh, nkv, threads);  // heads per group
+  dw::parallel_for(B * T * nh / hc, 1, threads, [&](int64_t i0, int64_t i1) {  // groups: (row, token, hc heads)
     std::vector<float> p(most * hc);
     ops->attend_groups(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, hc, op, i0, i1, p.data(),
                      tree ? vis.data_ptr<int64_t>() : nullptr, tree ? nvis.data_ptr<int64_t>() : nullptr);

@@ -8,8 +8,11 @@
 #include <cstdio>
 #include <algorithm>
 #include <cstring>
+#include <atomic>
+#include <thread>
 #include <vector>
 
+#include "pool.h"
 #include "qmm.h"
 
 namespace {
@@ -176,6 +179,34 @@ int check_attention(const char* const* names, int npaths) {
   return failures;
 }
 
+
+// the thread pool (pool.h): every item exactly once, for many sizes, thread counts and grains, also with
+// two callers at once (the second runs its items on its own thread) and many calls in a row
+int check_pool() {
+  int failures = 0;
+  auto one = [&](int64_t n, int64_t grain, int threads) {
+    std::vector<std::atomic<int>> hits(n > 0 ? n : 1);
+    for (auto& h : hits) h.store(0);
+    dw::parallel_for(n, grain, threads, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) hits[i].fetch_add(1);
+    });
+    for (int64_t i = 0; i < n; ++i)
+      if (hits[i].load() != 1) return 1;
+    return 0;
+  };
+  for (int threads : {1, 2, 3, 8})
+    for (int64_t grain : {1, 16, 64})
+      for (int64_t n : {0, 1, 2, 7, 16, 17, 100, 1000, 17920}) failures += one(n, grain, threads);
+  for (int r = 0; r < 2000; ++r) failures += one(64, 1, 2);  // back to back: helpers spinning and waking
+  std::atomic<int> other{0};
+  std::thread t([&] { for (int r = 0; r < 200; ++r) other += one(997, 1, 4); });
+  for (int r = 0; r < 200; ++r) failures += one(1003, 1, 4);
+  t.join();
+  failures += other.load();
+  std::printf("%-20s %s\n", "thread pool", failures ? "FAIL" : "ok");
+  return failures ? 1 : 0;
+}
+
 }  // namespace
 
 int main() {
@@ -286,6 +317,7 @@ int main() {
     std::printf("%-20s %s\n", "per-path layer ops", bad ? "FAIL" : "ok");
     failures += bad;
   }
+  failures += check_pool();
   std::printf(failures ? "FAILED: %d case(s)\n" : "all paths bit-identical to the reference\n", failures);
   return failures ? 1 : 0;
 }
