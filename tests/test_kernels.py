@@ -4,6 +4,7 @@ bits as the scalar reference (the rule in draftwise/kernels/csrc/qmm.h)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
@@ -88,20 +89,15 @@ def test_kernel_is_batch_invariant(path, bits, group, act_bits):
     assert torch.equal(lin(x[3:9]), full[3:9])
 
 
-
+@contextlib.contextmanager
 def _threads(n: int):
-    """torch.set_num_threads(n) within a block (the kernel's pool takes its thread count from torch)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def block():
-        before = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-    return block()
+    """torch.set_num_threads(n) within the block (the kernel's pool takes its thread count from torch)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_thread_count_never_changes_a_result():
