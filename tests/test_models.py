@@ -269,40 +269,125 @@ def test_quantized_embedding_rows_equal_the_dense_table(bits, affine):
     assert torch.equal(emb(ids), table[ids])
 
 
-def test_gguf_loads_mapped_fused_and_equals_the_unfused_model(tmp_path, monkeypatch):
-    """A Q4_K_M-like GGUF (q/k and gate in one format, v and up in another): the converted file holds the
-    fused runs, its load is a memory map (no anonymous copy of the codes), the embedding stays quantized,
-    and the logits equal those of the model built from the unfused tensors bit for bit."""
-    from gguf import GGUFReader
-
-    from draftwise.kernels import QLinear
-    from draftwise.models import load_model
-    from draftwise.models.loading import converted_dir, gguf_config, gguf_state_dict
-    from draftwise.models.transformer import Concat, QEmbedding, from_state_dict
+def _mixed_gguf(tmp_path, monkeypatch, arch="qwen2"):
+    """A Q4_K_M-like GGUF (q/k and gate in one format, v and up in another) in a fresh $DRAFTWISE_HOME."""
+    from draftwise.models import loading
 
     monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
-    cfg = TINY_QWEN.__class__(**{**TINY_QWEN.to_dict(), "hidden_size": 64, "head_dim": 16,
-                                 "intermediate_size": 128})
+    base = TINY_QWEN if arch == "qwen2" else TINY
+    cfg = base.__class__(**{**base.to_dict(), "hidden_size": 64, "head_dim": 16, "intermediate_size": 128})
     m = random_model(cfg, seed=9)
     path = tmp_path / "mixed.gguf"
-    _write_gguf(path, m, "qwen2", ("Q8_0", "Q8_0", "Q4_0", "Q4_0", "Q8_0", "Q4_1"))
-    from draftwise.models import loading
+    _write_gguf(path, m, arch, ("Q8_0", "Q8_0", "Q4_0", "Q4_0", "Q8_0", "Q4_1"))
     monkeypatch.setattr(loading, "_save_gguf_tokenizer", lambda p, dest: _copy_tokenizer(dest, cfg.vocab_size))
-    lm = load_model(str(path), "gguf", progress=False)  # converts, then maps
-    again = load_model(str(path), "gguf", progress=False)  # maps the converted file
-    weights = next(converted_dir(path).glob("model-gguf.safetensors"))
+    return cfg, path
+
+
+def _unfused_reference(path):
+    """The model built from the GGUF's unfused tensors, parsed by the numpy reference (gguf_quant.parse)."""
+    from gguf import GGUFReader
+
+    from draftwise.kernels import gguf_quant
+    from draftwise.models.loading import gguf_config, gguf_state_dict
+    from draftwise.models.transformer import from_state_dict
+
+    reader = GGUFReader(str(path))
+    real = gguf_quant.repack
+    try:
+        gguf_quant.repack = lambda data, qtype, shape, out=None: gguf_quant.parse(data, qtype, shape)
+        sd = gguf_state_dict(reader, gguf_config(reader), keep_quantized=True)
+    finally:
+        gguf_quant.repack = real
+    return from_state_dict(gguf_config(reader), sd, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monkeypatch, arch):
+    """By default a GGUF is the only copy on disk: its converted folder holds config, tokenizer and tensor
+    table, no weights; every load re-packs the blocks (fused runs written in place, llama's Q/K rows put back
+    in order), later loads never parse the GGUF's header again, the embedding stays quantized, and the
+    logits equal those of the model built from the unfused tensors by the numpy reference, bit for bit."""
+    import gguf
+
+    from draftwise.kernels import QLinear, extension
+    from draftwise.models import load_model
+    from draftwise.models.loading import LAYOUT_FILE, converted_dir
+    from draftwise.models.transformer import Concat, QEmbedding
+
+    if extension() is None:
+        pytest.skip("the kernel is not built here (no compiler): GGUFs are converted instead")
+    cfg, path = _mixed_gguf(tmp_path, monkeypatch, arch)
+    lm = load_model(str(path), "gguf", progress=False)  # reads the layout, then the blocks
+    folder = converted_dir(path)
+    assert (folder / LAYOUT_FILE).exists() and not list(folder.glob("*.safetensors"))
+
+    def boom(*a, **k):
+        raise AssertionError("GGUF header parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", boom)
+    again = load_model(str(path), "gguf", progress=False)
     for model in (lm.model, again.model):
         assert isinstance(model.embed, QEmbedding)
         qkv = model.layers[0].attn.qkv
         assert isinstance(qkv, (QLinear, Concat))
         q = qkv.q if isinstance(qkv, QLinear) else qkv.parts[0].q
-        assert _is_file_backed(q, weights)
-    reader = GGUFReader(str(path))
-    ref = from_state_dict(gguf_config(reader), gguf_state_dict(reader, gguf_config(reader), keep_quantized=True),
-                          torch.float32)
+        assert not _is_file_backed(q, path)
+    monkeypatch.undo()
+    ref = _unfused_reference(path)
     toks = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
     a, b = again.model.new_cache(1, 32), ref.new_cache(1, 32)
     assert torch.equal(again.model.forward(toks, a).logits, ref.forward(toks, b).logits)
+
+
+def test_kept_converted_copy_is_mapped_and_equal(tmp_path, monkeypatch):
+    """DRAFTWISE_KEEP_CONVERTED=1 stores the fused code as safetensors; later loads (with or without the
+    variable) memory-map it, and the model equals the in-place one bit for bit."""
+    from draftwise.kernels import QLinear, extension
+    from draftwise.models import load_model
+    from draftwise.models.loading import converted_dir
+    from draftwise.models.transformer import Concat
+
+    cfg, path = _mixed_gguf(tmp_path, monkeypatch)
+    if extension() is not None:
+        in_place = load_model(str(path), "gguf", progress=False)
+    monkeypatch.setenv("DRAFTWISE_KEEP_CONVERTED", "1")
+    load_model(str(path), "gguf", progress=False)  # converts
+    weights = converted_dir(path) / "model-gguf.safetensors"
+    assert weights.exists()
+    monkeypatch.delenv("DRAFTWISE_KEEP_CONVERTED")
+    mapped = load_model(str(path), "gguf", progress=False)
+    qkv = mapped.model.layers[0].attn.qkv
+    assert _is_file_backed(qkv.q if isinstance(qkv, QLinear) else qkv.parts[0].q, weights)
+    if extension() is not None:
+        toks = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+        a, b = mapped.model.new_cache(1, 32), in_place.model.new_cache(1, 32)
+        assert torch.equal(mapped.model.forward(toks, a).logits, in_place.model.forward(toks, b).logits)
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path, monkeypatch):
+    from draftwise.errors import ModelNotFoundError
+    from draftwise.kernels import extension
+    from draftwise.models import load_model
+    from draftwise.models.loading import LAYOUT_FILE, converted_dir
+
+    if extension() is None:
+        pytest.skip("the kernel is not built here")
+    _, path = _mixed_gguf(tmp_path, monkeypatch)
+    load_model(str(path), "gguf", progress=False)
+    table = (converted_dir(path) / LAYOUT_FILE).read_text()
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.truncate(st.st_size - 64)
+    import os
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    folder = converted_dir(path)  # keyed on the size: a new folder, so plant the old table in it
+    folder.mkdir(parents=True, exist_ok=True)
+    old = next(d for d in folder.parent.iterdir() if d != folder and (d / LAYOUT_FILE).exists())
+    for f in old.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    assert (folder / LAYOUT_FILE).read_text() == table
+    with pytest.raises(ModelNotFoundError, match="shorter than its tensor table"):
+        load_model(str(path), "gguf", progress=False)
 
 
 def _is_file_backed(t: torch.Tensor, path) -> bool:

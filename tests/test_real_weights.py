@@ -135,6 +135,36 @@ def test_second_load_uses_converted_cache(smollm, monkeypatch):
     assert m.config.vocab_size == smollm.config.vocab_size
 
 
+def test_real_gguf_is_read_in_place_exactly(smollm):
+    """SmolLM2's GGUF (Q4_1 + Q8_0, llama Q/K order) read in place: the converted folder holds no weights,
+    and every tensor equals the numpy reference conversion (parse + prefuse) bit for bit."""
+    from gguf import GGUFReader
+
+    from draftwise.kernels import extension, gguf_quant
+    from draftwise.models.loading import LAYOUT_FILE, converted_dir, gguf_config, gguf_state_dict, prefuse, read_in_place
+    from draftwise.models.registry import resolve
+
+    if extension() is None:
+        pytest.skip("the kernel is not built here")
+    path = resolve("smollm2-135m-instruct", progress=False)
+    load_model("smollm2-135m-instruct", "gguf", progress=False)
+    folder = converted_dir(path)
+    assert (folder / LAYOUT_FILE).exists() and not (folder / "model-gguf.safetensors").exists()
+    reader = GGUFReader(str(path))
+    cfg = gguf_config(reader)
+    real = gguf_quant.repack
+    try:
+        gguf_quant.repack = lambda data, qtype, shape, out=None: gguf_quant.parse(data, qtype, shape)
+        ref = prefuse(gguf_state_dict(reader, cfg, keep_quantized=True), cfg)
+    finally:
+        gguf_quant.repack = real
+    got = read_in_place(path, cfg, json.loads((folder / LAYOUT_FILE).read_text()))
+    assert sorted(got) == sorted(ref)
+    for k, v in ref.items():
+        bits = (lambda t: t.view(torch.int32) if t.dtype == torch.float32 else t)
+        assert got[k].dtype == v.dtype and torch.equal(bits(got[k]), bits(v)), k
+
+
 def test_eagle_head_trained_on_smollm_is_lossless(smollm, tmp_path):
     """An EAGLE-style head trained here for half a minute on SmolLM2 (its own answers to seed prompts, some
     through its chat template, and a few stdlib files): greedy and seeded decoding with it give `ar`'s exact

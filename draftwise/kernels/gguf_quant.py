@@ -1,5 +1,8 @@
 """GGUF quantized tensors → the (q, scale, minv, group, bits) code of ``QLinear``, exactly.
 
+``parse`` is the reference (numpy); ``repack`` computes the same bytes with the kernel's C++ re-packer
+(csrc/repack.h) at every load, which lets the GGUF be the only copy of a model on disk.
+
 Every supported GGML block format is an affine code per group of weights,
 ``w = scale * q - minv``, so its integers and scales are re-laid out, never re-quantized:
 
@@ -13,6 +16,7 @@ Every supported GGML block format is an affine code per group of weights,
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,3 +116,34 @@ def parse(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> QCode | None:
         scale = d * scales  # (n, 16)
         return QCode(torch.from_numpy(q.reshape(N, K)), torch.from_numpy(scale.reshape(N, K // 16)), None, 16, 8)
     return None
+
+
+def repack(data: np.ndarray, qtype: str, shape: tuple[int, int], out: QCode | None = None) -> QCode | None:
+    """``parse`` through the kernel's C++ re-packer (csrc/repack.h) where it handles the format: the same
+    bytes, written in place into ``out`` when given (e.g. rows of a fused matrix), on the kernel's threads.
+    Falls back to ``parse`` (None for formats neither handles)."""
+    from gguf import GGMLQuantizationType
+
+    from . import extension
+
+    ext = extension()
+    qt = GGMLQuantizationType[qtype] if qtype in GGMLQuantizationType.__members__ else None
+    fmt = ext.repack_format(int(qt)) if ext is not None and qt is not None else None
+    N, K = shape
+    if fmt is None or K % (256 if qtype.endswith("_K") else 32):
+        code = parse(data, qtype, shape)
+        if code is not None and out is not None:
+            for dst, val in ((out.q, code.q), (out.scale, code.scale), (out.minv, code.minv)):
+                if val is not None:
+                    dst.copy_(val)
+            return out
+        return code
+    group, bits, has_min = fmt
+    if out is None:
+        out = QCode(torch.empty(N, K * bits // 8, dtype=torch.uint8 if bits == 4 else torch.int8),
+                    torch.empty(N, K // group), torch.empty(N, K // group) if has_min else None, group, bits)
+    with warnings.catch_warnings():  # a read-only map of the file: read, never written
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    ext.repack_gguf(src, int(qt), N, K, out.q, out.scale, out.minv if has_min else torch.empty(0))
+    return out

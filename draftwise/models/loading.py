@@ -28,8 +28,9 @@ from .base import ModelConfig
 from .registry import draftwise_home
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
-CONVERT_VERSION = 2  # bump when the converted layout changes (2: projections stored fused)
+CONVERT_VERSION = 3  # bump when the converted layout changes (2: projections stored fused; 3: GGUF read in place)
 SOURCE_RECORD = "draftwise_source.json"  # in each converted folder: the GGUF it was made from
+LAYOUT_FILE = "gguf_layout.json"  # in each converted folder: where each tensor lies in the GGUF
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -107,31 +108,55 @@ def gguf_state_dict(reader, cfg: ModelConfig, progress: bool = False, keep_quant
     """HF-named tensors. With ``keep_quantized``, block-quantized matrices stay in their exact integer
     code as ``NAME.q / NAME.scale / NAME.minv / NAME.qmeta`` (see kernels/gguf_quant.py); everything
     else is de-quantized to float32."""
+    items = [(t.name, t.data, t.tensor_type.name, [int(x) for x in reversed(t.shape)]) for t in reader.tensors]
+    return _state_dict(items, cfg, progress, keep_quantized)
+
+
+def _state_dict(items, cfg: ModelConfig, progress: bool, keep_quantized: bool, done=None, into=None
+                ) -> dict[str, torch.Tensor]:
+    """``gguf_state_dict`` over (GGUF name, raw data, type name, shape (out, in)) items; ``done(i)`` is
+    called after item i has been read (the in-place loader releases its pages); a quantized matrix named in
+    ``into`` is re-packed into that QCode (rows of a fused matrix) instead of becoming entries."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
-    from ..kernels.gguf_quant import parse
+    from ..kernels.gguf_quant import repack
 
     sd: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc="de-quantize", disable=not progress, leave=False):
-        name = _hf_name(t.name)
+    for i, (gname, data, qtype, shape) in enumerate(tqdm(items, desc="load", disable=not progress, leave=False, delay=1.0)):
+        name = _hf_name(gname)
         if name is None:
             continue
-        shape = [int(x) for x in reversed(t.shape)]  # GGUF dims are (in, out): reverse
         n_head = None
         if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-        code = parse(t.data, t.tensor_type.name, tuple(shape)) if keep_quantized and len(shape) == 2 else None
-        if code is not None:
+        dest = (into or {}).get(name)
+        if dest is not None:
+            if n_head:  # re-pack, then move the rows (llama's Q/K order) into place
+                code = repack(data, qtype, tuple(shape))
+                for dst, val in ((dest.q, code.q), (dest.scale, code.scale), (dest.minv, code.minv)):
+                    if val is not None:
+                        dst.copy_(_unpermute_rows(val, n_head))
+            elif repack(data, qtype, tuple(shape), out=dest) is None:
+                raise ModelNotFoundError(f"{gname}: {qtype} cannot be read in place")
+            code = None
+        else:
+            code = repack(data, qtype, tuple(shape)) if keep_quantized and len(shape) == 2 else None
+        if dest is not None:
+            pass
+        elif code is not None:
             parts = {"q": code.q, "scale": code.scale, "minv": code.minv}
             for key, val in parts.items():
                 if val is not None:
                     sd[f"{name}.{key}"] = _unpermute_rows(val, n_head) if n_head else val
             sd[f"{name}.qmeta"] = torch.tensor([code.group, code.bits])
-            continue
-        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
-        w = torch.from_numpy(arr.copy() if not arr.flags.writeable else np.ascontiguousarray(arr))
-        sd[name] = _unpermute_rows(w, n_head) if n_head else w
+        else:
+            arr = dequantize(data, GGMLQuantizationType[qtype]).astype(np.float32, copy=False).reshape(shape)
+            w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: never a view of the file
+            sd[name] = _unpermute_rows(w, n_head) if n_head else w
+        if done is not None:
+            done(i)
     return sd
 
 
@@ -147,29 +172,84 @@ def _format(sd: dict[str, torch.Tensor], name: str) -> tuple:
     return ("dense", sd[name + ".weight"].dtype, name + ".bias" in sd)
 
 
-def prefuse(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Concatenate each layer's q/k/v and gate/up projections once, at conversion: consecutive parts in
-    the same format (Q4_K_M mixes Q4_K and Q6_K) become runs ``NAME.0``, ``NAME.1``, ... of one matrix
-    each (transformer.py ``_prefused``), the fusion the model would otherwise copy at every start."""
+def _fuse_runs(cfg: ModelConfig, fmt):
+    """(fused prefix ``...NAME.j.``, layer prefix, run of part names) for every layer: consecutive parts of
+    each fused projection whose ``fmt(module name)`` agree form one run; None parts (absent) are skipped."""
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         for fused, parts in _FUSE.items():
             runs: list[list[str]] = []
             for part in parts:
-                if runs and _format(sd, p + runs[-1][-1]) == _format(sd, p + part):
+                f = fmt(p + part)
+                if f is None:
+                    continue
+                if runs and fmt(p + runs[-1][-1]) == f:
                     runs[-1].append(part)
                 else:
                     runs.append([part])
             for j, run in enumerate(runs):
-                out = f"{p}{fused}.{j}."
-                for key in _CODE_PARTS:
-                    if p + run[0] + "." + key in sd:
-                        sd[out + key] = torch.cat([sd.pop(p + r + "." + key) for r in run])
-                if p + run[0] + ".weight.qmeta" in sd:
-                    sd[out + "weight.qmeta"] = sd[p + run[0] + ".weight.qmeta"]
-                    for r in run:
-                        del sd[p + r + ".weight.qmeta"]
+                yield f"{p}{fused}.{j}.", p, run
+
+
+def prefuse(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Concatenate each layer's q/k/v and gate/up projections once, at conversion: consecutive parts in
+    the same format (Q4_K_M mixes Q4_K and Q6_K) become runs ``NAME.0``, ``NAME.1``, ... of one matrix
+    each (transformer.py ``_prefused``), the fusion the model would otherwise copy at every start.
+    Parts already fused (absent from ``sd``) are left as they are."""
+    def fmt(name):
+        return _format(sd, name) if name + ".weight.q" in sd or name + ".weight" in sd else None
+
+    for out, p, run in list(_fuse_runs(cfg, fmt)):
+        for key in _CODE_PARTS:
+            if p + run[0] + "." + key in sd:
+                sd[out + key] = torch.cat([sd.pop(p + r + "." + key) for r in run])
+        if p + run[0] + ".weight.qmeta" in sd:
+            sd[out + "weight.qmeta"] = sd[p + run[0] + ".weight.qmeta"]
+            for r in run:
+                del sd[p + r + ".weight.qmeta"]
     return sd
+
+
+def _fused_targets(table: list[dict], cfg: ModelConfig) -> tuple[dict, dict[str, torch.Tensor], list]:
+    """For ``read_in_place``: each run of block-quantized parts (``_fuse_runs``) gets its fused matrix
+    allocated once and every part is re-packed straight into its rows (no concatenation copy). Returns
+    ({part weight name: QCode of row views}, {fused entries for the state dict}, those runs)."""
+    from gguf import GGMLQuantizationType
+
+    from ..kernels import extension
+    from ..kernels.gguf_quant import QCode
+
+    ext = extension()
+    shapes, fmts, names = {}, {}, {_hf_name(e["name"]) for e in table}
+    for e in table:
+        name = _hf_name(e["name"])
+        if not name.endswith(".weight") or len(e["shape"]) != 2:
+            continue
+        mod = name.removesuffix(".weight")
+        code = ext.repack_format(int(GGMLQuantizationType[e["type"]])) if e["type"] in GGMLQuantizationType.__members__ else None
+        shapes[mod] = e["shape"]
+        fmts[mod] = ("q", *code, mod + ".bias" in names) if code is not None else ("dense", mod + ".bias" in names)
+    into, fused, runs = {}, {}, []
+    for out, p, run in _fuse_runs(cfg, fmts.get):
+        f = fmts[p + run[0]]
+        if f[0] != "q":
+            continue
+        runs.append((out, p, run))
+        _, group, bits, has_min, _ = f
+        N, K = sum(shapes[p + r][0] for r in run), shapes[p + run[0]][1]
+        q = torch.empty(N, K * bits // 8, dtype=torch.uint8 if bits == 4 else torch.int8)
+        scale = torch.empty(N, K // group)
+        minv = torch.empty(N, K // group) if has_min else None
+        fused.update({out + "weight.q": q, out + "weight.scale": scale, out + "weight.qmeta": torch.tensor([group, bits])})
+        if minv is not None:
+            fused[out + "weight.minv"] = minv
+        row = 0
+        for r in run:
+            n = shapes[p + r][0]
+            into[p + r + ".weight"] = QCode(q[row:row + n], scale[row:row + n],
+                                            None if minv is None else minv[row:row + n], group, bits)
+            row += n
+    return into, fused, runs
 
 
 _ST_DTYPES = {"F64": (np.float64, None), "F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.int16, torch.bfloat16),
@@ -281,31 +361,52 @@ def prune_conversions(gguf_path: Path, keep: Path) -> list[Path]:
     return removed
 
 
+def keep_converted() -> bool:
+    """``DRAFTWISE_KEEP_CONVERTED=1``: also store the kernel's code of a GGUF as a converted safetensors copy
+    (~1.4x the GGUF on disk), which later loads memory-map: start-up skips the re-pack (~0.5 s for the
+    1.5B) and processes serving the same model share those pages. Default: the GGUF is the only copy."""
+    return os.environ.get("DRAFTWISE_KEEP_CONVERTED", "").strip() == "1"
+
+
 def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True):
     """Return (config, state_dict, tokenizer folder). ``dtype`` is a torch dtype (dense weights in it) or
-    "gguf" (keep the file's own quantization, exact). Converts once, then memory-maps."""
-    from safetensors.torch import save_file
+    "gguf" (keep the file's own quantization, exact). "gguf" reads the file in place: its blocks are
+    re-packed into the kernel's code at every load (``read_in_place``), and the converted folder holds only
+    the config, tokenizer and tensor table. Dense formats (and "gguf" with ``keep_converted()`` or without the
+    C++ kernel) are converted once to a safetensors copy, then memory-mapped."""
+    from ..kernels import extension
 
     out = converted_dir(path)
     tag = dtype if isinstance(dtype, str) else _dtype_name(dtype)
     weights = out / f"model-{tag}.safetensors"
     cfg_file = out / "draftwise_config.json"
-    if weights.exists() and cfg_file.exists() and (out / "tokenizer_config.json").exists():
+    described = cfg_file.exists() and (out / "tokenizer_config.json").exists()
+    if weights.exists() and described:
         if not (out / SOURCE_RECORD).exists():  # converted before records were kept
             with contextlib.suppress(OSError):
                 _write_source_record(path, out)
         return ModelConfig(**json.loads(cfg_file.read_text())), mmap_safetensors(weights), out
+    in_place = dtype == "gguf" and not keep_converted() and extension() is not None
+    if in_place and described and (out / LAYOUT_FILE).exists():
+        cfg = ModelConfig(**json.loads(cfg_file.read_text()))
+        return cfg, read_in_place(path, cfg, json.loads((out / LAYOUT_FILE).read_text()), progress), out
 
     from gguf import GGUFReader
 
     if progress:
-        print(f"draftwise: converting {path.name} (first load only) ...", file=sys.stderr)
+        what = "reading the tensor layout of" if in_place else "converting"
+        print(f"draftwise: {what} {path.name} (first load only) ...", file=sys.stderr)
     reader = GGUFReader(str(path))
     cfg = gguf_config(reader)
-    sd = gguf_state_dict(reader, cfg, progress, keep_quantized=dtype == "gguf")
-    if not isinstance(dtype, str):
-        sd = {k: v.to(dtype) for k, v in sd.items()}
-    sd = prefuse(sd, cfg)
+    table = [{"name": t.name, "type": t.tensor_type.name, "shape": [int(x) for x in reversed(t.shape)],
+              "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in reader.tensors if _hf_name(t.name)]
+    sd = None
+    if not in_place:
+        sd = gguf_state_dict(reader, cfg, progress, keep_quantized=dtype == "gguf")
+        if not isinstance(dtype, str):
+            sd = {k: v.to(dtype) for k, v in sd.items()}
+        sd = prefuse(sd, cfg)
+    del reader
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -315,14 +416,60 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True):
                 os.link(f, tmp / f.name)
     if not (tmp / "tokenizer_config.json").exists():
         _save_gguf_tokenizer(path, tmp)
-    save_file(sd, str(tmp / weights.name))
+    if sd is not None:
+        from safetensors.torch import save_file
+
+        save_file(sd, str(tmp / weights.name))
     (tmp / cfg_file.name).write_text(json.dumps(cfg.to_dict(), indent=1))
+    (tmp / LAYOUT_FILE).unlink(missing_ok=True)
+    (tmp / LAYOUT_FILE).write_text(json.dumps(table))
     _write_source_record(path, tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     prune_conversions(path, out)
+    if sd is None:
+        return cfg, read_in_place(path, cfg, table, progress), out
     del sd  # the converted copy is mapped, like every later load
     return cfg, mmap_safetensors(weights), out
+
+
+def read_in_place(path: Path, cfg: ModelConfig, table: list[dict], progress: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict of ``load_gguf(path, "gguf")`` straight from the GGUF: the file is memory-mapped, each
+    block-quantized matrix re-packed into the kernel's code (kernels/gguf_quant.py ``repack``: the same
+    bytes as a conversion, on the kernel's threads), the rest de-quantized, then q/k/v and gate/up fused.
+    Each tensor's pages are released from this process once read, so the peak memory stays close to the
+    model's own. ``table``: the tensors' (name, type, shape, offset, nbytes), from the folder's LAYOUT_FILE."""
+    import mmap
+
+    size = path.stat().st_size
+    if any(e["offset"] + e["nbytes"] > size for e in table):
+        raise ModelNotFoundError(f"{path}: the file is shorter than its tensor table says (truncated or changed?); "
+                                 f"remove {converted_dir(path)} and load again")
+    page = mmap.PAGESIZE
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable views, never written
+    buf = np.frombuffer(mm, dtype=np.uint8)
+
+    def release(i: int) -> None:
+        a = table[i]["offset"] // page * page
+        b = min(size, -(-(table[i]["offset"] + table[i]["nbytes"]) // page) * page)
+        with contextlib.suppress(OSError, ValueError):
+            mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+
+    try:
+        items = [(e["name"], buf[e["offset"]:e["offset"] + e["nbytes"]], e["type"], e["shape"]) for e in table]
+        into, fused, runs = _fused_targets(table, cfg)
+        sd = _state_dict(items, cfg, progress, keep_quantized=True, done=release, into=into)
+    finally:
+        items = None
+        del buf
+        with contextlib.suppress(BufferError):
+            mm.close()  # else when the last view goes
+    for out, p, run in runs:
+        if p + run[0] + ".bias" in sd:  # biases of fused runs: small, concatenated
+            fused[out + "bias"] = torch.cat([sd.pop(p + r + ".bias") for r in run])
+    sd.update(fused)
+    return prefuse(sd, cfg)  # runs of dense parts, if any
 
 
 def _save_gguf_tokenizer(path: Path, dest: Path) -> None:

@@ -9,6 +9,7 @@
 
 #include "pool.h"
 #include "qmm.h"
+#include "repack.h"
 
 // x: (M, K) f32; q: (N, K) int8 | (N, K/2) uint8 | (N, K) int16 / int32 views of bf16 / fp32;
 // scale, minv: (N, K/G) f32 (minv may be empty). act_bits = 8: int8 activations where the format allows
@@ -67,6 +68,35 @@ torch::Tensor dequantize_bf16(torch::Tensor q, torch::Tensor scale, torch::Tenso
   dw::parallel_for(N, 64, at::get_num_threads(),
                    [&](int64_t n0, int64_t n1) { dw::dequantize_bf16_rows(qp, sp, mp, K, G, bits, op, n0, n1); });
   return out;
+}
+
+// src: the bytes of an (N, K) tensor of ggml type `type` (rows one after the other); writes its code into
+// q (N, K * bits / 8), scale (N, K / G) and minv (N, K / G, or empty for formats without one): repack.h.
+void repack_gguf(torch::Tensor src, int64_t type, int64_t N, int64_t K, torch::Tensor q, torch::Tensor scale,
+                 torch::Tensor minv) {
+  dw::RepackFormat f;
+  TORCH_CHECK(dw::repack_format((int)type, &f), "repack_gguf: ggml type ", type, " is not re-packed here");
+  TORCH_CHECK(K % f.block_values == 0, "repack_gguf: K is not a whole number of blocks");
+  TORCH_CHECK(src.scalar_type() == torch::kUInt8 && src.is_contiguous() &&
+              src.numel() == N * (K / f.block_values) * f.block_bytes, "repack_gguf: src size");
+  TORCH_CHECK(q.is_contiguous() && q.numel() * q.element_size() == N * K * f.bits / 8, "repack_gguf: q size");
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 && scale.numel() == N * (K / f.group),
+              "repack_gguf: scale size");
+  TORCH_CHECK(f.has_min ? (minv.is_contiguous() && minv.scalar_type() == torch::kFloat32 && minv.numel() == scale.numel())
+                        : minv.numel() == 0, "repack_gguf: minv size");
+  const uint8_t* sp = src.data_ptr<uint8_t>();
+  uint8_t* qp = (uint8_t*)q.data_ptr();
+  float* scp = scale.data_ptr<float>();
+  float* mp = f.has_min ? minv.data_ptr<float>() : nullptr;
+  dw::parallel_for(N, 16, at::get_num_threads(),
+                   [&](int64_t n0, int64_t n1) { dw::repack_rows((int)type, sp, K, qp, scp, mp, n0, n1); });
+}
+
+// (group, bits, has_min) of the code a ggml type becomes, or None when it is not re-packed here
+py::object repack_format(int64_t type) {
+  dw::RepackFormat f;
+  if (!dw::repack_format((int)type, &f)) return py::none();
+  return py::make_tuple(f.group, f.bits, f.has_min);
 }
 
 // qkv: (B, T, (nh + 2 nkv) hd) f32 (q and k are rotated in place); cos, sin: (B, T, hd) f32;
@@ -154,6 +184,8 @@ std::string cpu_features() { return dw::cpu_features(); }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "weight-only quantized matmul (CPU), the rule of qmm.h on the active path");
   m.def("dequantize_bf16", &dequantize_bf16, "int4 / int8 code -> (N, K) bf16 weights");
+  m.def("repack_gguf", &repack_gguf, "GGUF blocks -> the kernel's code, exactly (repack.h)");
+  m.def("repack_format", &repack_format, "(group, bits, has_min) of a re-packed ggml type, or None");
   m.def("decode_attention", &decode_attention, "rotary + KV append + attention for short forwards (layers.cpp)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, fp32 (layers.cpp)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] projection, fp32 (layers.cpp)");
