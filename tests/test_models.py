@@ -269,7 +269,10 @@ def test_quantized_embedding_rows_equal_the_dense_table(bits, affine):
     assert torch.equal(emb(ids), table[ids])
 
 
-def _mixed_gguf(tmp_path, monkeypatch, arch="qwen2"):
+MIXED = ("Q8_0", "Q8_0", "Q4_0", "Q4_0", "Q8_0", "Q4_1")
+
+
+def _mixed_gguf(tmp_path, monkeypatch, arch="qwen2", qtypes=MIXED):
     """A Q4_K_M-like GGUF (q/k and gate in one format, v and up in another) in a fresh $DRAFTWISE_HOME."""
     from draftwise.models import loading
 
@@ -278,7 +281,7 @@ def _mixed_gguf(tmp_path, monkeypatch, arch="qwen2"):
     cfg = base.__class__(**{**base.to_dict(), "hidden_size": 64, "head_dim": 16, "intermediate_size": 128})
     m = random_model(cfg, seed=9)
     path = tmp_path / "mixed.gguf"
-    _write_gguf(path, m, arch, ("Q8_0", "Q8_0", "Q4_0", "Q4_0", "Q8_0", "Q4_1"))
+    _write_gguf(path, m, arch, qtypes)
     monkeypatch.setattr(loading, "_save_gguf_tokenizer", lambda p, dest: _copy_tokenizer(dest, cfg.vocab_size))
     return cfg, path
 
@@ -301,12 +304,13 @@ def _unfused_reference(path):
     return from_state_dict(gguf_config(reader), sd, torch.float32)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monkeypatch, arch):
+@pytest.mark.parametrize("arch,qtypes", [("qwen2", MIXED), ("llama", MIXED), ("qwen2", ("Q8_0", "F16", "Q4_1"))])
+def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monkeypatch, arch, qtypes):
     """By default a GGUF is the only copy on disk: its converted folder holds config, tokenizer and tensor
     table, no weights; every load re-packs the blocks (fused runs written in place, llama's Q/K rows put back
     in order), later loads never parse the GGUF's header again, the embedding stays quantized, and the
-    logits equal those of the model built from the unfused tensors by the numpy reference, bit for bit."""
+    logits equal those of the model built from the unfused tensors by the numpy reference, bit for bit
+    (also when a projection mixes dense F16 parts with quantized ones: those are concatenated whole)."""
     import gguf
 
     from draftwise.kernels import QLinear, extension
@@ -316,7 +320,7 @@ def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monk
 
     if extension() is None:
         pytest.skip("the kernel is not built here (no compiler): GGUFs are converted instead")
-    cfg, path = _mixed_gguf(tmp_path, monkeypatch, arch)
+    cfg, path = _mixed_gguf(tmp_path, monkeypatch, arch, qtypes)
     lm = load_model(str(path), "gguf", progress=False)  # reads the layout, then the blocks
     folder = converted_dir(path)
     assert (folder / LAYOUT_FILE).exists() and not list(folder.glob("*.safetensors"))
@@ -324,6 +328,7 @@ def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monk
     def boom(*a, **k):
         raise AssertionError("GGUF header parsed again")
 
+    real_reader = gguf.GGUFReader
     monkeypatch.setattr(gguf, "GGUFReader", boom)
     again = load_model(str(path), "gguf", progress=False)
     for model in (lm.model, again.model):
@@ -332,7 +337,7 @@ def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monk
         assert isinstance(qkv, (QLinear, Concat))
         q = qkv.q if isinstance(qkv, QLinear) else qkv.parts[0].q
         assert not _is_file_backed(q, path)
-    monkeypatch.undo()
+    monkeypatch.setattr(gguf, "GGUFReader", real_reader)
     ref = _unfused_reference(path)
     toks = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
     a, b = again.model.new_cache(1, 32), ref.new_cache(1, 32)
@@ -345,7 +350,6 @@ def test_kept_converted_copy_is_mapped_and_equal(tmp_path, monkeypatch):
     from draftwise.kernels import QLinear, extension
     from draftwise.models import load_model
     from draftwise.models.loading import converted_dir
-    from draftwise.models.transformer import Concat
 
     cfg, path = _mixed_gguf(tmp_path, monkeypatch)
     if extension() is not None:

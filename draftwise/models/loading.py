@@ -230,10 +230,12 @@ def _fused_targets(table: list[dict], cfg: ModelConfig) -> tuple[dict, dict[str,
         shapes[mod] = e["shape"]
         fmts[mod] = ("q", *code, mod + ".bias" in names) if code is not None else ("dense", mod + ".bias" in names)
     into, fused, runs = {}, {}, []
-    for out, p, run in _fuse_runs(cfg, fmts.get):
-        f = fmts[p + run[0]]
-        if f[0] != "q":
+    every = list(_fuse_runs(cfg, fmts.get))
+    dense = {out.rsplit(".", 2)[0] for out, p, run in every if fmts[p + run[0]][0] != "q"}
+    for out, p, run in every:
+        if out.rsplit(".", 2)[0] in dense:  # a projection with a dense part: prefuse concatenates it whole
             continue
+        f = fmts[p + run[0]]
         runs.append((out, p, run))
         _, group, bits, has_min, _ = f
         N, K = sum(shapes[p + r][0] for r in run), shapes[p + run[0]][1]
