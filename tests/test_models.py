@@ -310,13 +310,14 @@ def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monk
     table, no weights; every load re-packs the blocks (fused runs written in place, llama's Q/K rows put back
     in order), later loads never parse the GGUF's header again, the embedding stays quantized, and the
     logits equal those of the model built from the unfused tensors by the numpy reference, bit for bit
-    (also when a projection mixes dense F16 parts with quantized ones: those are concatenated whole)."""
+    (also when a projection mixes dense F16 parts with quantized ones: those are concatenated whole). The
+    untied token embedding is not re-packed at all: lookups read its rows from the file."""
     import gguf
 
     from draftwise.kernels import QLinear, extension
     from draftwise.models import load_model
     from draftwise.models.loading import LAYOUT_FILE, converted_dir
-    from draftwise.models.transformer import Concat, QEmbedding
+    from draftwise.models.transformer import Concat, GGUFEmbedding, QEmbedding
 
     if extension() is None:
         pytest.skip("the kernel is not built here (no compiler): GGUFs are converted instead")
@@ -332,14 +333,18 @@ def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monk
     monkeypatch.setattr(gguf, "GGUFReader", boom)
     again = load_model(str(path), "gguf", progress=False)
     for model in (lm.model, again.model):
-        assert isinstance(model.embed, QEmbedding)
+        assert isinstance(model.embed, GGUFEmbedding)  # untied: the table stays in the file
+        assert _is_file_backed(model.embed.raw, path)
         qkv = model.layers[0].attn.qkv
         assert isinstance(qkv, (QLinear, Concat))
         q = qkv.q if isinstance(qkv, QLinear) else qkv.parts[0].q
         assert not _is_file_backed(q, path)
     monkeypatch.setattr(gguf, "GGUFReader", real_reader)
     ref = _unfused_reference(path)
+    assert isinstance(ref.embed, QEmbedding)
     toks = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    every = torch.arange(cfg.vocab_size).view(2, -1)
+    assert torch.equal(again.model.embed(every), ref.embed(every))  # every row, bit for bit
     a, b = again.model.new_cache(1, 32), ref.new_cache(1, 32)
     assert torch.equal(again.model.forward(toks, a).logits, ref.forward(toks, b).logits)
 
@@ -584,3 +589,20 @@ def test_tree_nodes_equal_decoding_their_paths_bit_exact(kernels, monkeypatch):
     for t in [lasts[0], 12, 15, 17, 9]:
         nxt_b = m.forward(torch.tensor([[t]]), c).logits
     assert torch.equal(nxt_a, nxt_b)
+
+
+def test_byte_identical_tokenizers_are_read_once(tmp_path):
+    """Two folders with the same tokenizer.json share one Rust tokenizer (a draft of the target's family
+    skips parsing it again and the vocabulary comparison); a different file gets its own."""
+    from draftwise.drafters.draft_model import check_compatible
+    from draftwise.errors import IncompatibleModelsError
+    from draftwise.models.tokenizer import Tokenizer
+
+    for name, vocab in (("a", 300), ("b", 300), ("c", 301)):
+        _copy_tokenizer(tmp_path / name, vocab)
+    a, b, c = (Tokenizer.from_folder(tmp_path / n) for n in "abc")
+    assert a.fast is b.fast and a.fast is not c.fast and a.folder != b.folder
+    cfg = TINY.__class__(**{**TINY.to_dict(), "vocab_size": 300})
+    check_compatible(a, b, cfg, cfg)
+    with pytest.raises(IncompatibleModelsError):
+        check_compatible(a, c, cfg, TINY.__class__(**{**TINY.to_dict(), "vocab_size": 301}))

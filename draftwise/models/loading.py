@@ -124,7 +124,7 @@ def _state_dict(items, cfg: ModelConfig, progress: bool, keep_quantized: bool, d
     from ..kernels.gguf_quant import repack
 
     sd: dict[str, torch.Tensor] = {}
-    for i, (gname, data, qtype, shape) in enumerate(tqdm(items, desc="load", disable=not progress, leave=False, delay=1.0)):
+    for i, (gname, data, qtype, shape) in enumerate(tqdm(items, desc="load", disable=not progress, leave=False, delay=3.0)):
         name = _hf_name(gname)
         if name is None:
             continue
@@ -443,6 +443,10 @@ def read_in_place(path: Path, cfg: ModelConfig, table: list[dict], progress: boo
     model's own. ``table``: the tensors' (name, type, shape, offset, nbytes), from the folder's LAYOUT_FILE."""
     import mmap
 
+    from gguf import GGMLQuantizationType
+
+    from ..kernels import extension
+
     size = path.stat().st_size
     if any(e["offset"] + e["nbytes"] > size for e in table):
         raise ModelNotFoundError(f"{path}: the file is shorter than its tensor table says (truncated or changed?); "
@@ -452,16 +456,30 @@ def read_in_place(path: Path, cfg: ModelConfig, table: list[dict], progress: boo
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable views, never written
     buf = np.frombuffer(mm, dtype=np.uint8)
 
-    def release(i: int) -> None:
-        a = table[i]["offset"] // page * page
-        b = min(size, -(-(table[i]["offset"] + table[i]["nbytes"]) // page) * page)
+    entries = table
+
+    def release(i: int) -> None:  # item i's pages leave this process (they stay in the page cache)
+        a = entries[i]["offset"] // page * page
+        b = min(size, -(-(entries[i]["offset"] + entries[i]["nbytes"]) // page) * page)
         with contextlib.suppress(OSError, ValueError):
             mm.madvise(mmap.MADV_DONTNEED, a, b - a)
 
     try:
-        items = [(e["name"], buf[e["offset"]:e["offset"] + e["nbytes"]], e["type"], e["shape"]) for e in table]
+        lazy = {}  # an untied token embedding stays in the file: only the rows looked up are read
+        emb = next((e for e in table if e["name"] == "token_embd.weight"), None)
+        fmt = extension().repack_format(int(GGMLQuantizationType[emb["type"]])) \
+            if emb is not None and emb["type"] in GGMLQuantizationType.__members__ else None
+        if fmt is not None and not cfg.tie_embeddings and emb["nbytes"] % emb["shape"][0] == 0:
+            V, D = emb["shape"]
+            raw = torch.from_numpy(buf[emb["offset"]:emb["offset"] + emb["nbytes"]]).view(V, -1)  # (V, row bytes)
+            name = "model.embed_tokens.weight"
+            lazy = {name + ".gguf": raw, name + ".gguf_type": torch.tensor(int(GGMLQuantizationType[emb["type"]])),
+                    name + ".gguf_dim": torch.tensor(D)}
+        entries = [e for e in table if not (lazy and e is emb)]
+        items = [(e["name"], buf[e["offset"]:e["offset"] + e["nbytes"]], e["type"], e["shape"]) for e in entries]
         into, fused, runs = _fused_targets(table, cfg)
         sd = _state_dict(items, cfg, progress, keep_quantized=True, done=release, into=into)
+        sd.update(lazy)
     finally:
         items = None
         del buf

@@ -342,8 +342,42 @@ class QEmbedding(nn.Module):
         return f"{self.num_embeddings}, int{self.bits}, group={self.group}"
 
 
+class GGUFEmbedding(nn.Module):
+    """The token embedding read from the GGUF itself (a GGUF read in place, table not tied to the head):
+    ``raw`` is a view of the memory-mapped file, one row of blocks per token, so only the rows looked up
+    are ever paged in. A lookup re-packs those rows into the kernel's code (``repack_gguf``) and
+    de-quantizes them as ``QEmbedding`` does: the same rows, bit for bit, without holding the whole table."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, dim: int, dtype: torch.dtype):
+        super().__init__()
+        from ..kernels import extension
+
+        self.raw, self.qtype, self.dim, self.dtype = raw, qtype, dim, dtype  # raw: (V, row bytes) uint8
+        self.group, self.bits, self.has_min = extension().repack_format(qtype)
+        self.num_embeddings = raw.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from ..kernels import dequantize, extension
+
+        flat = ids.reshape(-1)  # (n,)
+        rows = self.raw.index_select(0, flat)  # (n, row bytes): reads only these rows of the file
+        n, D, G = flat.numel(), self.dim, self.group
+        q = torch.empty(n, D * self.bits // 8, dtype=torch.uint8 if self.bits == 4 else torch.int8)
+        scale = torch.empty(n, D // G)
+        minv = torch.empty(n, D // G) if self.has_min else torch.empty(0)
+        extension().repack_gguf(rows, self.qtype, n, D, q, scale, minv)
+        out = dequantize(q, scale, minv if self.has_min else None, G, self.bits)  # (n, D) float32
+        return out.to(self.dtype).view(*ids.shape, -1)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, ggml type {self.qtype} read from the file, int{self.bits}, group={self.group}"
+
+
 def _embedding(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype, head: nn.Module | None) -> nn.Module:
-    """The input embedding: quantized tables stay in their code (sharing the tied head's buffers)."""
+    """The input embedding: quantized tables stay in their code (sharing the tied head's buffers), or in
+    the GGUF's own blocks when it was read in place (``GGUFEmbedding``)."""
+    if name + ".gguf" in sd:
+        return GGUFEmbedding(sd[name + ".gguf"], int(sd[name + ".gguf_type"]), int(sd[name + ".gguf_dim"]), dtype)
     if name + ".q" not in sd:
         return nn.Embedding.from_pretrained(sd[name].to(dtype), freeze=True)
     from ..kernels import QLinear
