@@ -32,6 +32,7 @@ GOLDEN = {
     "int4-g32-min-f32": "cde3aa550dfbc555", "int8-g16-f32": "853cec546635f707",
     "int8-g32-min-f32": "55c56369582ee678", "bf16-dense": "793e4fdbae01d022", "fp32-dense": "04ae06b98aa381e6",
     "layers": "485e940ff23acc4f",
+    "gguf-repack": "2d6efd8a06d30a86",  # csrc/repack.h over random blocks of every format (tested against numpy too)
 }
 
 

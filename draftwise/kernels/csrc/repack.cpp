@@ -50,6 +50,17 @@ static inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
   }
 }
 
+// a Q4_K / Q5_K super-block's 8 sub-block scales d * sc and mins dmin * m (fp32 products: exact)
+static inline void k_scales(const uint8_t* b, float* so, float* mo) {
+  const float d = f16_at(b), dmin = f16_at(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    k_scale_min(b + 4, j, &sc, &m);
+    so[j] = d * (float)sc;
+    mo[j] = dmin * (float)m;
+  }
+}
+
 void repack_rows(int type, const uint8_t* src, int64_t K, uint8_t* q, float* scale, float* minv, int64_t n0,
                  int64_t n1) {
   RepackFormat f;
@@ -87,7 +98,6 @@ void repack_rows(int type, const uint8_t* src, int64_t K, uint8_t* q, float* sca
         case kQ4_K: {
           // 4 chunks of 32 bytes: chunk c's low nibbles are values 64c..64c+31 (sub-block 2c), its high
           // nibbles 64c+32.. (2c+1); the kernel wants per 32 values byte j = v[j] | v[j + 16] << 4
-          const float d = f16_at(b), dmin = f16_at(b + 2);
           const uint8_t* qs = b + 16;
           uint8_t* o = qo + 128 * i;
           for (int c = 0; c < 4; ++c) {
@@ -97,16 +107,10 @@ void repack_rows(int type, const uint8_t* src, int64_t K, uint8_t* q, float* sca
               o[32 * c + 16 + j] = (uint8_t)((s[j] >> 4) | (s[j + 16] & 0xF0));
             }
           }
-          for (int j = 0; j < 8; ++j) {
-            int sc, m;
-            k_scale_min(b + 4, j, &sc, &m);
-            so[8 * i + j] = d * (float)sc;
-            mo[8 * i + j] = dmin * (float)m;
-          }
+          k_scales(b, so + 8 * i, mo + 8 * i);
           break;
         }
         case kQ5_K: {  // as Q4_K, plus qh[32]: bit s of qh[l] is the fifth bit of sub-block s's value l
-          const float d = f16_at(b), dmin = f16_at(b + 2);
           const uint8_t *qh = b + 16, *qs = b + 48;
           int8_t* o = (int8_t*)qo + 256 * i;
           for (int c = 0; c < 4; ++c)
@@ -114,12 +118,7 @@ void repack_rows(int type, const uint8_t* src, int64_t K, uint8_t* q, float* sca
               o[64 * c + l] = (int8_t)((qs[32 * c + l] & 0x0F) | (((qh[l] >> (2 * c)) & 1) << 4));
               o[64 * c + 32 + l] = (int8_t)((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
             }
-          for (int j = 0; j < 8; ++j) {
-            int sc, m;
-            k_scale_min(b + 4, j, &sc, &m);
-            so[8 * i + j] = d * (float)sc;
-            mo[8 * i + j] = dmin * (float)m;
-          }
+          k_scales(b, so + 8 * i, mo + 8 * i);
           break;
         }
         case kQ6_K: {

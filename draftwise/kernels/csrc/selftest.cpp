@@ -14,6 +14,7 @@
 
 #include "pool.h"
 #include "qmm.h"
+#include "repack.h"
 
 namespace {
 
@@ -207,6 +208,35 @@ int check_pool() {
   return failures ? 1 : 0;
 }
 
+
+// GGUF re-packing (repack.h): random blocks of every format with finite fp16 scales (normal, subnormal,
+// negative), re-packed in two row ranges; one checksum over every output (pinned: the same on ARM)
+uint64_t check_repack() {
+  uint64_t st = 0x243F6A8885A308D3ull, h = 1469598103934665603ull;
+  auto u32 = [&] { st ^= st >> 12, st ^= st << 25, st ^= st >> 27; return (uint32_t)((st * 0x2545F4914F6CDD1Dull) >> 32); };
+  const int types[] = {dw::kQ4_0, dw::kQ4_1, dw::kQ5_0, dw::kQ8_0, dw::kQ4_K, dw::kQ5_K, dw::kQ6_K};
+  for (int type : types) {
+    dw::RepackFormat f;
+    if (!dw::repack_format(type, &f)) return 0;
+    const int64_t N = 5, K = 512, nb = N * (K / f.block_values);
+    std::vector<uint8_t> src(nb * f.block_bytes);
+    for (auto& b : src) b = (uint8_t)u32();
+    const int64_t halves[3] = {type == dw::kQ6_K ? 208 : 0, 2, -1};  // byte offsets of fp16 fields in a block
+    for (int64_t i = 0; i < nb; ++i)
+      for (int k = 0; k < (type == dw::kQ4_1 || type == dw::kQ4_K || type == dw::kQ5_K ? 2 : 1); ++k) {
+        uint16_t v = (uint16_t)(u32() & 0xBBFF);  // sign, exponent < 31: finite
+        if (i % 7 == 3) v = (uint16_t)(v & 0x83FF);  // exponent 0: subnormal
+        std::memcpy(&src[i * f.block_bytes + halves[k]], &v, 2);
+      }
+    std::vector<uint8_t> q(N * K * f.bits / 8);
+    std::vector<float> sc(N * (K / f.group)), mn(f.has_min ? sc.size() : 0);
+    dw::repack_rows(type, src.data(), K, q.data(), sc.data(), f.has_min ? mn.data() : nullptr, 0, 2);
+    dw::repack_rows(type, src.data(), K, q.data(), sc.data(), f.has_min ? mn.data() : nullptr, 2, N);
+    h = fnv(q.data(), q.size(), fnv(sc.data(), sc.size() * 4, fnv(mn.data(), mn.size() * 4, h)));
+  }
+  return h;
+}
+
 }  // namespace
 
 int main() {
@@ -318,6 +348,11 @@ int main() {
     failures += bad;
   }
   failures += check_pool();
+  {
+    const uint64_t h = check_repack();
+    std::printf("%-20s %016llx %s\n", "gguf-repack", (unsigned long long)h, h ? "ok" : "FAIL");
+    failures += !h;
+  }
   std::printf(failures ? "FAILED: %d case(s)\n" : "all paths bit-identical to the reference\n", failures);
   return failures ? 1 : 0;
 }
