@@ -80,7 +80,7 @@ def _quantize_linears(sd: dict[str, torch.Tensor], bits: int) -> dict[str, torch
 
 
 def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: str = "native",
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, keep_converted: bool | None = None) -> LoadedModel:
     """Load a model by name (see ``MODELS``), GGUF path, HF folder or HF hub id.
 
     ``dtype`` is the weight format: auto | gguf | int8 | int4 | bf16 | fp32 (see ``resolve_weights``).
@@ -115,7 +115,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: st
         src = _snapshot(src)
     dense = torch.float32 if weights in ("int8", "int4") else (storage or compute)
     if src.is_file():
-        cfg, sd, tok_dir = load_gguf(src, "gguf" if weights == "gguf" else dense, progress)
+        cfg, sd, tok_dir = load_gguf(src, "gguf" if weights == "gguf" else dense, progress, keep_converted)
     else:
         cfg, sd, tok_dir = hf_folder_config(src), hf_folder_state_dict(src), src
     if weights in ("int8", "int4"):

@@ -370,12 +370,13 @@ def keep_converted() -> bool:
     return os.environ.get("DRAFTWISE_KEEP_CONVERTED", "").strip() == "1"
 
 
-def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True):
+def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep: bool | None = None):
     """Return (config, state_dict, tokenizer folder). ``dtype`` is a torch dtype (dense weights in it) or
     "gguf" (keep the file's own quantization, exact). "gguf" reads the file in place: its blocks are
     re-packed into the kernel's code at every load (``read_in_place``), and the converted folder holds only
     the config, tokenizer and tensor table. Dense formats (and "gguf" with ``keep_converted()`` or without the
-    C++ kernel) are converted once to a safetensors copy, then memory-mapped."""
+    C++ kernel) are converted once to a safetensors copy, then memory-mapped. ``keep``: whether a "gguf"
+    load keeps such a copy (None: ``keep_converted()``, from the environment)."""
     from ..kernels import extension
 
     out = converted_dir(path)
@@ -388,7 +389,8 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True):
             with contextlib.suppress(OSError):
                 _write_source_record(path, out)
         return ModelConfig(**json.loads(cfg_file.read_text())), mmap_safetensors(weights), out
-    in_place = dtype == "gguf" and not keep_converted() and extension() is not None
+    keep = keep_converted() if keep is None else keep
+    in_place = dtype == "gguf" and not keep and extension() is not None
     if in_place and described and (out / LAYOUT_FILE).exists():
         cfg = ModelConfig(**json.loads(cfg_file.read_text()))
         return cfg, read_in_place(path, cfg, json.loads((out / LAYOUT_FILE).read_text()), progress), out

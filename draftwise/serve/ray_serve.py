@@ -106,19 +106,18 @@ def build_app(args: dict):
 
 def prepare_models(spec: dict) -> None:
     """Download and convert the models once, in this process, before replicas start: N replicas must not
-    convert the same file at once. Replicas keep a converted copy of a GGUF (``DRAFTWISE_KEEP_CONVERTED``,
-    unless set to something else) and each maps it, so the weight pages are shared between replicas on
+    convert the same file at once. A converted copy of a GGUF is kept (unless ``DRAFTWISE_KEEP_CONVERTED``
+    says otherwise) and each replica maps it, so the weight pages are shared between replicas on
     one machine instead of re-packed into each replica's own memory."""
     from ..api import uses_draft_model
     from ..models import load_model
-
-    os.environ.setdefault("DRAFTWISE_KEEP_CONVERTED", "1")
 
     names = [(spec["target"], spec["dtype"])]
     if uses_draft_model(spec["engine"]["method"]):
         names.append((spec["draft"], spec["draft_dtype"] or spec["dtype"]))
     for name, dtype in names:
-        load_model(name, dtype, spec["backend"], progress=True)
+        keep = os.environ.get("DRAFTWISE_KEEP_CONVERTED", "1").strip() == "1"  # shared pages by default here
+        load_model(name, dtype, spec["backend"], progress=True, keep_converted=keep)
 
 
 def cmd_serve_ray(args) -> int:
