@@ -26,6 +26,20 @@ TINY = ModelConfig(arch="llama", vocab_size=96, hidden_size=48, intermediate_siz
 TINY_QWEN = ModelConfig(**{**TINY.to_dict(), "arch": "qwen2", "qkv_bias": True})
 
 
+def reference_state_dict(reader) -> dict[str, torch.Tensor]:
+    """The unfused state dict of a GGUF with every block format decoded by the numpy reference
+    (gguf_quant.parse) instead of the kernel's C++ re-packer: what the in-place loader must equal."""
+    from draftwise.kernels import gguf_quant
+    from draftwise.models.loading import gguf_config, gguf_state_dict
+
+    real = gguf_quant.repack
+    try:
+        gguf_quant.repack = lambda data, qtype, shape, out=None: gguf_quant.parse(data, qtype, shape)
+        return gguf_state_dict(reader, gguf_config(reader), keep_quantized=True)
+    finally:
+        gguf_quant.repack = real
+
+
 def perturbed(model: Transformer, noise: float, seed: int) -> Transformer:
     """A copy of ``model`` with noisy weights: a draft model that agrees often, not always. Works for
     plain nn.Linear models and for kernel-backed ones (dense weights get noise, integer codes noisy scales)."""

@@ -290,18 +290,12 @@ def _unfused_reference(path):
     """The model built from the GGUF's unfused tensors, parsed by the numpy reference (gguf_quant.parse)."""
     from gguf import GGUFReader
 
-    from draftwise.kernels import gguf_quant
-    from draftwise.models.loading import gguf_config, gguf_state_dict
+    from draftwise.models.loading import gguf_config
     from draftwise.models.transformer import from_state_dict
+    from tests.conftest import reference_state_dict
 
     reader = GGUFReader(str(path))
-    real = gguf_quant.repack
-    try:
-        gguf_quant.repack = lambda data, qtype, shape, out=None: gguf_quant.parse(data, qtype, shape)
-        sd = gguf_state_dict(reader, gguf_config(reader), keep_quantized=True)
-    finally:
-        gguf_quant.repack = real
-    return from_state_dict(gguf_config(reader), sd, torch.float32)
+    return from_state_dict(gguf_config(reader), reference_state_dict(reader), torch.float32)
 
 
 @pytest.mark.parametrize("arch,qtypes", [("qwen2", MIXED), ("llama", MIXED), ("qwen2", ("Q8_0", "F16", "Q4_1"))])

@@ -140,9 +140,10 @@ def test_real_gguf_is_read_in_place_exactly(smollm):
     and every tensor equals the numpy reference conversion (parse + prefuse) bit for bit."""
     from gguf import GGUFReader
 
-    from draftwise.kernels import extension, gguf_quant
-    from draftwise.models.loading import LAYOUT_FILE, converted_dir, gguf_config, gguf_state_dict, prefuse, read_in_place
+    from draftwise.kernels import extension
+    from draftwise.models.loading import LAYOUT_FILE, converted_dir, gguf_config, prefuse, read_in_place
     from draftwise.models.registry import resolve
+    from tests.conftest import reference_state_dict
 
     if extension() is None:
         pytest.skip("the kernel is not built here")
@@ -152,12 +153,7 @@ def test_real_gguf_is_read_in_place_exactly(smollm):
     assert (folder / LAYOUT_FILE).exists()  # (a kept copy may be there too: serve --replicas makes one)
     reader = GGUFReader(str(path))
     cfg = gguf_config(reader)
-    real = gguf_quant.repack
-    try:
-        gguf_quant.repack = lambda data, qtype, shape, out=None: gguf_quant.parse(data, qtype, shape)
-        ref = prefuse(gguf_state_dict(reader, cfg, keep_quantized=True), cfg)
-    finally:
-        gguf_quant.repack = real
+    ref = prefuse(reference_state_dict(reader), cfg)
     got = read_in_place(path, cfg, json.loads((folder / LAYOUT_FILE).read_text()))
     assert sorted(got) == sorted(ref)
     for k, v in ref.items():

@@ -141,7 +141,8 @@ def check_compatible(target_tok, draft_tok, target_cfg, draft_cfg) -> None:
         raise IncompatibleModelsError(
             f"draft and target have different vocabulary sizes ({draft_cfg.vocab_size} vs "
             f"{target_cfg.vocab_size}); a draft model must use the target's tokenizer")
-    if getattr(target_tok, "fast", None) is not None and getattr(target_tok, "fast", None) is getattr(draft_tok, "fast", None):
+    fast = getattr(target_tok, "fast", None)
+    if fast is not None and fast is getattr(draft_tok, "fast", None):
         return  # one tokenizer, read from byte-identical files (tokenizer.py _rust_tokenizer)
     if target_tok.vocab_signature() != draft_tok.vocab_signature():
         raise IncompatibleModelsError("draft and target tokenizers differ (same size, different tokens); "

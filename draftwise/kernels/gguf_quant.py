@@ -118,17 +118,28 @@ def parse(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> QCode | None:
     return None
 
 
-def repack(data: np.ndarray, qtype: str, shape: tuple[int, int], out: QCode | None = None) -> QCode | None:
-    """``parse`` through the kernel's C++ re-packer (csrc/repack.h) where it handles the format: the same
-    bytes, written in place into ``out`` when given (e.g. rows of a fused matrix), on the kernel's threads.
-    Falls back to ``parse`` (None for formats neither handles)."""
+def repack_format(qtype: str) -> tuple[int, int, int, bool] | None:
+    """(ggml type id, group, bits, has_min) of the code the kernel's re-packer makes of GGML type ``qtype``
+    (csrc/repack.h), or None when it does not handle it or the kernel is not built."""
     from gguf import GGMLQuantizationType
 
     from . import extension
 
     ext = extension()
-    qt = GGMLQuantizationType[qtype] if qtype in GGMLQuantizationType.__members__ else None
-    fmt = ext.repack_format(int(qt)) if ext is not None and qt is not None else None
+    if ext is None or qtype not in GGMLQuantizationType.__members__:
+        return None
+    tid = int(GGMLQuantizationType[qtype])
+    fmt = ext.repack_format(tid)
+    return None if fmt is None else (tid, *fmt)
+
+
+def repack(data: np.ndarray, qtype: str, shape: tuple[int, int], out: QCode | None = None) -> QCode | None:
+    """``parse`` through the kernel's C++ re-packer (csrc/repack.h) where it handles the format: the same
+    bytes, written in place into ``out`` when given (e.g. rows of a fused matrix), on the kernel's threads.
+    Falls back to ``parse`` (None for formats neither handles)."""
+    from . import extension
+
+    fmt = repack_format(qtype)
     N, K = shape
     if fmt is None or K % (256 if qtype.endswith("_K") else 32):
         code = parse(data, qtype, shape)
@@ -138,12 +149,12 @@ def repack(data: np.ndarray, qtype: str, shape: tuple[int, int], out: QCode | No
                     dst.copy_(val)
             return out
         return code
-    group, bits, has_min = fmt
+    tid, group, bits, has_min = fmt
     if out is None:
         out = QCode(torch.empty(N, K * bits // 8, dtype=torch.uint8 if bits == 4 else torch.int8),
                     torch.empty(N, K // group), torch.empty(N, K // group) if has_min else None, group, bits)
     with warnings.catch_warnings():  # a read-only map of the file: read, never written
         warnings.simplefilter("ignore", UserWarning)
         src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-    ext.repack_gguf(src, int(qt), N, K, out.q, out.scale, out.minv if has_min else torch.empty(0))
+    extension().repack_gguf(src, tid, N, K, out.q, out.scale, out.minv if has_min else torch.empty(0))
     return out

@@ -132,19 +132,15 @@ def _state_dict(items, cfg: ModelConfig, progress: bool, keep_quantized: bool, d
         if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
         dest = (into or {}).get(name)
+        code = repack(data, qtype, tuple(shape), out=None if n_head else dest) \
+            if dest is not None or (keep_quantized and len(shape) == 2) else None
         if dest is not None:
-            if n_head:  # re-pack, then move the rows (llama's Q/K order) into place
-                code = repack(data, qtype, tuple(shape))
+            if code is None:
+                raise ModelNotFoundError(f"{gname}: {qtype} cannot be read in place")
+            if n_head:  # re-packed apart: move the rows (llama's Q/K order) into place
                 for dst, val in ((dest.q, code.q), (dest.scale, code.scale), (dest.minv, code.minv)):
                     if val is not None:
                         dst.copy_(_unpermute_rows(val, n_head))
-            elif repack(data, qtype, tuple(shape), out=dest) is None:
-                raise ModelNotFoundError(f"{gname}: {qtype} cannot be read in place")
-            code = None
-        else:
-            code = repack(data, qtype, tuple(shape)) if keep_quantized and len(shape) == 2 else None
-        if dest is not None:
-            pass
         elif code is not None:
             parts = {"q": code.q, "scale": code.scale, "minv": code.minv}
             for key, val in parts.items():
@@ -214,21 +210,17 @@ def _fused_targets(table: list[dict], cfg: ModelConfig) -> tuple[dict, dict[str,
     """For ``read_in_place``: each run of block-quantized parts (``_fuse_runs``) gets its fused matrix
     allocated once and every part is re-packed straight into its rows (no concatenation copy). Returns
     ({part weight name: QCode of row views}, {fused entries for the state dict}, those runs)."""
-    from gguf import GGMLQuantizationType
+    from ..kernels.gguf_quant import QCode, repack_format
 
-    from ..kernels import extension
-    from ..kernels.gguf_quant import QCode
-
-    ext = extension()
     shapes, fmts, names = {}, {}, {_hf_name(e["name"]) for e in table}
     for e in table:
         name = _hf_name(e["name"])
         if not name.endswith(".weight") or len(e["shape"]) != 2:
             continue
         mod = name.removesuffix(".weight")
-        code = ext.repack_format(int(GGMLQuantizationType[e["type"]])) if e["type"] in GGMLQuantizationType.__members__ else None
+        code = repack_format(e["type"])
         shapes[mod] = e["shape"]
-        fmts[mod] = ("q", *code, mod + ".bias" in names) if code is not None else ("dense", mod + ".bias" in names)
+        fmts[mod] = ("q", *code[1:], mod + ".bias" in names) if code is not None else ("dense", mod + ".bias" in names)
     into, fused, runs = {}, {}, []
     every = list(_fuse_runs(cfg, fmts.get))
     dense = {out.rsplit(".", 2)[0] for out, p, run in every if fmts[p + run[0]][0] != "q"}
@@ -445,48 +437,41 @@ def read_in_place(path: Path, cfg: ModelConfig, table: list[dict], progress: boo
     model's own. ``table``: the tensors' (name, type, shape, offset, nbytes), from the folder's LAYOUT_FILE."""
     import mmap
 
-    from gguf import GGMLQuantizationType
-
-    from ..kernels import extension
+    from ..kernels.gguf_quant import repack_format
 
     size = path.stat().st_size
     if any(e["offset"] + e["nbytes"] > size for e in table):
         raise ModelNotFoundError(f"{path}: the file is shorter than its tensor table says (truncated or changed?); "
                                  f"remove {converted_dir(path)} and load again")
+    # an untied token embedding stays in the file: only the rows looked up are ever read
+    emb = next((e for e in table if e["name"] == "token_embd.weight"), None)
+    emb_fmt = repack_format(emb["type"]) if emb is not None else None
+    lazy = emb_fmt is not None and not cfg.tie_embeddings and emb["nbytes"] % emb["shape"][0] == 0
+    entries = [e for e in table if not (lazy and e is emb)]
     page = mmap.PAGESIZE
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable views, never written
     buf = np.frombuffer(mm, dtype=np.uint8)
 
-    entries = table
-
-    def release(i: int) -> None:  # item i's pages leave this process (they stay in the page cache)
+    def release(i: int) -> None:  # entry i's pages leave this process (they stay in the page cache)
         a = entries[i]["offset"] // page * page
         b = min(size, -(-(entries[i]["offset"] + entries[i]["nbytes"]) // page) * page)
         with contextlib.suppress(OSError, ValueError):
             mm.madvise(mmap.MADV_DONTNEED, a, b - a)
 
     try:
-        lazy = {}  # an untied token embedding stays in the file: only the rows looked up are read
-        emb = next((e for e in table if e["name"] == "token_embd.weight"), None)
-        fmt = extension().repack_format(int(GGMLQuantizationType[emb["type"]])) \
-            if emb is not None and emb["type"] in GGMLQuantizationType.__members__ else None
-        if fmt is not None and not cfg.tie_embeddings and emb["nbytes"] % emb["shape"][0] == 0:
-            V, D = emb["shape"]
-            raw = torch.from_numpy(buf[emb["offset"]:emb["offset"] + emb["nbytes"]]).view(V, -1)  # (V, row bytes)
-            name = "model.embed_tokens.weight"
-            lazy = {name + ".gguf": raw, name + ".gguf_type": torch.tensor(int(GGMLQuantizationType[emb["type"]])),
-                    name + ".gguf_dim": torch.tensor(D)}
-        entries = [e for e in table if not (lazy and e is emb)]
         items = [(e["name"], buf[e["offset"]:e["offset"] + e["nbytes"]], e["type"], e["shape"]) for e in entries]
         into, fused, runs = _fused_targets(table, cfg)
         sd = _state_dict(items, cfg, progress, keep_quantized=True, done=release, into=into)
-        sd.update(lazy)
+        if lazy:
+            name, (V, D) = "model.embed_tokens.weight", emb["shape"]
+            sd[name + ".gguf"] = torch.from_numpy(buf[emb["offset"]:emb["offset"] + emb["nbytes"]]).view(V, -1)
+            sd[name + ".gguf_type"], sd[name + ".gguf_dim"] = torch.tensor(emb_fmt[0]), torch.tensor(D)
     finally:
         items = None
         del buf
         with contextlib.suppress(BufferError):
-            mm.close()  # else when the last view goes
+            mm.close()  # else when the last view goes (the embedding's)
     for out, p, run in runs:
         if p + run[0] + ".bias" in sd:  # biases of fused runs: small, concatenated
             fused[out + "bias"] = torch.cat([sd.pop(p + r + ".bias") for r in run])
