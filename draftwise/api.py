@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,7 @@ AUTO_CHILDREN = ("pld", "nasd", "suffix")  # what auto chooses among by default 
 HEAD_METHODS = ("medusa", "eagle")  # draft heads trained on the target (``draftwise train-head``), token trees
 TREE_SUFFIX = "-tree"  # the same drafter proposing a token tree (``branches`` > 1, default TREE_WIDTH)
 TREE_WIDTH = 3
+HEAD_TREE_COST = 1.3  # head methods draft trees by default where a 7-token pass costs at most this many 1-token ones
 SUFFIX = "suffix"  # SuffixDecoding: trees from this request and earlier ones (``SpeculativeDecoder.suffix_cache``)
 LAYERSKIP = "layerskip"  # the target drafts with a measured subset of its own layers (drafters/layerskip.py)
 LOOKAHEAD = "lookahead"  # Jacobi window + n-gram pool in the verifying pass (drafters/lookahead.py); sizes its own tree
@@ -53,6 +56,15 @@ def uses_draft_model(method: str) -> bool:
     return drafter_kind(method)[0] == "draft"
 
 
+def tree_width_help() -> str:
+    """``--tree-width``'s help, the same in generate, chat, bench and serve."""
+    from .drafters.suffix import MAX_NODES
+
+    return (f"branches of the *-tree methods' token trees (default {TREE_WIDTH}) and of medusa's / eagle's "
+            f"(default: {TREE_WIDTH} on a CPU where verifying a 7-token tree costs at most {HEAD_TREE_COST}x one "
+            f"token, else 1, a chain); suffix: nodes of its tree (default {MAX_NODES})")
+
+
 def tree_options(method: str, width: int | None, heads: str | None = None, lookahead: str | None = None) -> dict:
     """drafter options from ``--tree-width`` (None: the method's default) and ``--heads``: a tree method's
     branches (default TREE_WIDTH), suffix's node budget (default suffix.MAX_NODES), a head method's heads;
@@ -61,8 +73,10 @@ def tree_options(method: str, width: int | None, heads: str | None = None, looka
         return parse_lookahead(lookahead) if lookahead is not None else {}
     if method == SUFFIX:
         return {"max_nodes": width} if width is not None else {}
-    opts: dict = {"branches": width or TREE_WIDTH} if method.endswith(TREE_SUFFIX) or method in HEAD_METHODS else {}
-    if method in HEAD_METHODS and heads:
+    opts: dict = {"branches": width or TREE_WIDTH} if method.endswith(TREE_SUFFIX) else {}
+    if method in HEAD_METHODS and width:  # else the machine's (SpeculativeDecoder.head_width)
+        opts["branches"] = width
+    if (method in HEAD_METHODS or method == AUTO) and heads:  # auto: the heads join the drafters it picks from
         opts["heads"] = heads
     return opts
 BEAM = "beam"  # beam search: a baseline beside the lossless methods (another search, not ar's output)
@@ -260,7 +274,8 @@ class SpeculativeDecoder:
         if method == LOOKAHEAD:
             return LookaheadDrafter(**opts)
         base, tree = drafter_kind(method)
-        opts = {"branches": TREE_WIDTH if tree else 1, **opts}
+        if method not in HEAD_METHODS:  # a head method's default width is the machine's (head_width)
+            opts = {"branches": TREE_WIDTH if tree else 1, **opts}
         if method in METHODS and base == "draft":
             if self.bridge is not None:
                 return CrossVocabDrafter(self.draft.model, self.bridge, rows, capacity, **opts)
@@ -278,7 +293,7 @@ class SpeculativeDecoder:
             return self._auto_drafter(rows, capacity, **opts)
         if method in HEAD_METHODS:
             heads = opts.pop("heads", None)  # None: the target's default heads folder
-            opts["branches"] = opts.get("branches", TREE_WIDTH)
+            opts["branches"] = opts.get("branches") or self.head_width()
             if method == "eagle":
                 from .drafters.eagle import EagleDrafter
 
@@ -291,18 +306,41 @@ class SpeculativeDecoder:
     def _auto_drafter(self, rows: int, capacity: int, methods: list[str] | tuple[str, ...] | None = None,
                       branches: int = 1, **opts) -> Drafter:
         """The auto drafter over ``methods`` (default AUTO_CHILDREN: the drafters that cost no model
-        forwards; "draft" may be named when a draft model is set), priced by this machine's measured
-        target pass costs (and the draft model's cost per token)."""
+        forwards, and the kinds of draft heads in option ``heads`` when it is given; "draft" may be named
+        when a draft model is set), priced by this machine's measured target pass costs (and the draft
+        model's or head's cost per drafted token). A head child drafts a chain."""
         from .drafters.auto import AutoDrafter
+        from .heads import draft_seconds, pick_heads
 
-        names = list(methods) if methods is not None else [m for m in AUTO_CHILDREN if m in METHODS]
-        bad = [m for m in names if m not in METHODS or m in (AUTO, "ar") or m in HEAD_METHODS and not opts.get("heads")]
+        heads = opts.pop("heads", None)
+        if methods is None:
+            names = [m for m in AUTO_CHILDREN if m in METHODS]
+            for kind in HEAD_METHODS if heads else ():
+                with contextlib.suppress(InvalidParameterError):
+                    pick_heads(heads, kind)
+                    names.append(kind)
+        else:
+            names = list(methods)
+        bad = [m for m in names if m not in METHODS or m in (AUTO, "ar") or m in HEAD_METHODS and not heads]
         if bad or not names:
             raise InvalidParameterError(f"method 'auto' chooses among drafting methods; cannot use {bad or names}")
-        children = {m: self.make_drafter(m, rows, capacity, **opts) for m in names}
+        children = {m: self.make_drafter(m, rows, capacity, **opts, **({"heads": heads, "branches": 1}
+                                                                       if m in HEAD_METHODS else {}))
+                    for m in names}
         draft_cost = {m: self._per_draft_cost(m) for m in names if uses_draft_model(m)}
+        draft_cost.update({m: draft_seconds(children[m]) for m in names if m in HEAD_METHODS})
         self.pass_cost(1)  # measured here (once per process), not inside the first decode step
         return AutoDrafter(children, self.pass_cost, draft_cost=draft_cost, pooled=self._auto_arms)
+
+    def head_width(self) -> int:
+        """A head method's tree width when none is given: EAGLE-2's trees of TREE_WIDTH branches where this
+        machine verifies a two-level tree (1 + 2 * TREE_WIDTH tokens) for at most HEAD_TREE_COST times a
+        one-token pass (AMX: a matmul costs the same for 1 and 32 rows), else a chain (AVX2 and the like,
+        where every token fed costs: there a tree's unchosen siblings cost more than they bring)."""
+        if self.backend != "native":
+            return 1
+        flat = self.pass_cost(1 + 2 * TREE_WIDTH) <= HEAD_TREE_COST * self.pass_cost(1)
+        return TREE_WIDTH if flat else 1
 
     def _per_draft_cost(self, method: str) -> float:
         if self._draft_cost is None:
@@ -358,7 +396,7 @@ class SpeculativeDecoder:
         if method == "ar" or self.backend != "native" or self.is_encoder_decoder:
             return policy
         base, tree = drafter_kind(method)
-        width = TREE_WIDTH if tree or method in HEAD_METHODS else 1
+        width = TREE_WIDTH if tree else self.head_width() if method in HEAD_METHODS else 1
         fed = [1 + min(k * width, MAX_TREE_TOKENS - 1) for k in range(policy.max_gamma + 1)]  # tokens per pass
         missing = sorted(set(fed) - set(self._target_costs))
         if missing:

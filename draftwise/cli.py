@@ -14,8 +14,7 @@ import json
 import os
 import sys
 
-from .api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, METHODS, TREE_WIDTH, tree_options
-from .drafters.suffix import MAX_NODES as SUFFIX_NODES
+from .api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, METHODS, tree_options, tree_width_help
 from .errors import DraftwiseError, InvalidParameterError
 from .serve import cli as serve_cli
 
@@ -78,8 +77,7 @@ def _sampling_args(p: argparse.ArgumentParser, methods=METHODS) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--tree-width", type=serve_cli.positive_int, default=None,
-                   help=f"branches of the *-tree methods' token trees (default {TREE_WIDTH}); suffix: nodes "
-                        f"of its tree (default {SUFFIX_NODES})")
+                   help=tree_width_help())
     p.add_argument("--lookahead", type=serve_cli.lookahead_spec, default=None, metavar="W,N,G",
                    help=serve_cli.lookahead_help())
 

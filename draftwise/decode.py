@@ -55,6 +55,15 @@ def tree_inputs(tokens: list[list[int]], parents: list[list[int]], starts: list[
     return x, positions, mask
 
 
+def _features(out) -> torch.Tensor:
+    """The target's states a drafter reads: the final hidden states (B, T', D), followed by the tapped
+    inner layers' outputs when the forward was asked for them -> (B, T', D * (1 + taps))."""
+    if out.taps is None:
+        return out.hidden
+    taps = out.taps[:, -out.hidden.shape[1]:]  # (B, T', taps, D): the positions ``hidden`` holds
+    return torch.cat([out.hidden, taps.flatten(-2).to(out.hidden.dtype)], -1)
+
+
 class GammaPolicy(Protocol):
     """Chooses the draft length of each step (fixed, or adaptive from measured costs)."""
 
@@ -103,6 +112,13 @@ class Decoder:
         self.cache = target.new_cache(rows, self.capacity)
         if hasattr(drafter, "bind_target_cache"):  # a drafter that drafts with the target itself (layerskip)
             drafter.bind_target_cache(self.cache)
+        # a drafter that reads the target's inner layers too (an EAGLE-3 head): every target forward
+        # returns them, and the drafter gets them after the final state (see _features)
+        taps = tuple(getattr(drafter, "feature_taps", ()) or ())
+        if taps and not getattr(target, "supports_taps", False):
+            raise InvalidParameterError(f"the {drafter.name} drafter reads the target's inner layers, which this "
+                                        "backend does not give; use the native backend")
+        self._taps = {"taps": taps} if taps else {}
         self.running: list[Sequence] = []
 
     @property
@@ -141,7 +157,7 @@ class Decoder:
             self.target.encode(row, seq.encoder_ids)
         # a drafter whose context is the target's states at every prompt position (eagle) gets them all
         every = {"all_hidden": True} if getattr(self.drafter, "wants_prompt_hidden", False) else {}
-        out = self.target.forward(torch.tensor([seq.prompt_ids]), row, logits_for="last", **every)
+        out = self.target.forward(torch.tensor([seq.prompt_ids]), row, logits_for="last", **every, **self._taps)
         logits = out.logits[0, -1]  # (V,)
         p = seq.params
         if p.greedy:
@@ -153,7 +169,8 @@ class Decoder:
         seq.stats.target_passes += 1
         self._append(seq, [first], [PLAIN])
         if not seq.finished and self.drafter is not None:
-            self.drafter.start(seq, hidden=out.hidden[0] if every else out.hidden[0, -1:])
+            hidden = _features(out)
+            self.drafter.start(seq, hidden=hidden[0] if every else hidden[0, -1:])
         seq.stats.prefill_s += time.perf_counter() - t0
         self.running.append(seq)
         if seq.finished:
@@ -186,14 +203,15 @@ class Decoder:
                 [[s.tokens[-1]] + d.tokens for s, d in zip(seqs, drafts)],
                 [[-1] + [q + 1 for q in (d.parents or range(-1, len(d.tokens) - 1))] for d in drafts],
                 [n - 1 for n in n_before])
-            out = self.target.forward(x, view, positions=positions, attn_mask=mask, logits_for="all")
+            out = self.target.forward(x, view, positions=positions, attn_mask=mask, logits_for="all", **self._taps)
         else:
             x = torch.zeros(B, T, dtype=torch.long)
             for i, (s, d) in enumerate(zip(seqs, drafts)):
                 x[i, 0] = s.tokens[-1]
                 x[i, 1:1 + len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
-            out = self.target.forward(x, view, logits_for="all")
+            out = self.target.forward(x, view, logits_for="all", **self._taps)
         logits = out.logits  # (B, T, V)
+        hidden = _features(out)  # (B, T, D) or (B, T, D * (1 + taps))
         # per sequence from here on: an exception fails that sequence alone (seq.error), not the batch
         results: list[VerifyResult | None] = []
         for i, (s, d) in enumerate(zip(seqs, drafts)):
@@ -221,7 +239,7 @@ class Decoder:
                     every = {"draft": d, "all_logits": logits[i, :1 + len(d.tokens)]} \
                         if getattr(self.drafter, "wants_all_logits", False) else {}
                     self.drafter.accept(s, n_before[i], r.num_accepted, logits[i, rows], path=r.nodes,
-                                        hidden=out.hidden[i, rows], **every)
+                                        hidden=hidden[i, rows], **every)
             except Exception as e:
                 self._fail(s, e)
         t3 = time.perf_counter()

@@ -17,6 +17,8 @@ hidden state f_j (the state that produced token x_{j+1}) and the embedding of x_
 target's next feature f_{j+1}, from which ``U`` gives the draft of x_{j+2}:
 
     g_j = W_fc [norm(f_j); norm(e(x_{j+1}))]        (2D -> D)
+          + W_fuse [norm(l_j); norm(m_j)]           at true positions, when the head taps the target's
+                                                    low and middle layers' outputs l_j, m_j (EAGLE-3)
     u_j = g_j + Attn(norm(g_j))                      causal over the head's own earlier positions, RoPE
     f^_{j+1} = u_j + MLP(norm(u_j))                  SwiGLU, a smaller intermediate size than the target's
     logits = U f^_{j+1}                              U as for Medusa (the reduced draft vocabulary)
@@ -83,13 +85,12 @@ class MedusaHeads(nn.Module):
 
     # ---- inference: the output layer through the batch-invariant kernel, bf16 ------------------------
     def for_inference(self) -> "MedusaHeads":
-        from .kernels import QLinear, extension
+        from .kernels import extension
 
         self.requires_grad_(False)
         if extension() is not None and self.cfg.hidden_size % 16 == 0:
-            self.out = QLinear.dense(self.out.weight.detach().to(torch.bfloat16))
-            self.blocks = nn.ModuleList(QLinear.dense(b.weight.detach().to(torch.bfloat16), b.bias.detach())
-                                        for b in self.blocks)
+            self.out = drafting_linear(self.out.weight.detach())
+            self.blocks = nn.ModuleList(drafting_linear(b.weight.detach(), b.bias.detach()) for b in self.blocks)
         return self.eval()
 
 
@@ -98,11 +99,13 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def eagle_arch(hidden_size: int, head_dim: int, rope_theta: float, rms_eps: float,
-               intermediate: int | None = None) -> dict:
+               intermediate: int | None = None, taps: tuple[int, ...] = ()) -> dict:
     """The head's shape for a target: the target's head_dim and RoPE, an MLP twice the hidden size (the
-    target's is ~4-6x) so that a drafted token costs a few percent of a target pass."""
+    target's is ~4-6x) so that a drafted token costs a few percent of a target pass; ``taps``: the target's
+    decoder layers whose outputs it also reads (EAGLE-3's fused low/mid-level features), none by default."""
     return {"attn_heads": max(1, hidden_size // head_dim), "head_dim": head_dim,
-            "intermediate": intermediate or 2 * hidden_size, "rope_theta": rope_theta, "rms_eps": rms_eps}
+            "intermediate": intermediate or 2 * hidden_size, "rope_theta": rope_theta, "rms_eps": rms_eps,
+            "taps": list(taps)}
 
 
 class EagleHead(nn.Module):
@@ -122,6 +125,11 @@ class EagleHead(nn.Module):
         self.attn_norm = nn.Parameter(torch.ones(D))
         self.mlp_norm = nn.Parameter(torch.ones(D))
         self.fc = nn.Linear(2 * D, D, bias=False)
+        self.taps = tuple(a.get("taps", ()))  # target layers read at true positions (EAGLE-3 feature fusion)
+        if self.taps:
+            self.norm_t = nn.Parameter(torch.ones(len(self.taps), D))
+            self.fuse = nn.Linear(len(self.taps) * D, D, bias=False)
+            nn.init.zeros_(self.fuse.weight)  # starts as the head without them
         self.qkv = nn.Linear(D, 3 * self.nh * self.hd, bias=False)
         self.o = nn.Linear(self.nh * self.hd, D, bias=False)
         self.gate_up = nn.Linear(D, 2 * self.ffn, bias=False)
@@ -138,9 +146,13 @@ class EagleHead(nn.Module):
         self.register_buffer("vocab", torch.tensor(cfg.vocab, dtype=torch.long), persistent=False)
         self.rotary = Rotary(self.hd, a["rope_theta"])
 
-    def inputs(self, feat: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """feat, emb: (..., R, D) -> g (..., R, D), the layer's input."""
-        return self.fc(torch.cat([_rms(feat, self.norm_f, self.eps), _rms(emb, self.norm_e, self.eps)], -1))
+    def inputs(self, feat: torch.Tensor, emb: torch.Tensor, taps: torch.Tensor | None = None) -> torch.Tensor:
+        """feat, emb: (..., R, D), taps: (..., R, len(self.taps), D) the target's lower layers' outputs at
+        true positions, None at drafted ones -> g (..., R, D), the layer's input."""
+        g = self.fc(torch.cat([_rms(feat, self.norm_f, self.eps), _rms(emb, self.norm_e, self.eps)], -1))
+        if taps is not None and self.taps:
+            g = g + self.fuse(_rms(taps, self.norm_t, self.eps).flatten(-2))
+        return g
 
     def qkv_rope(self, g: torch.Tensor, positions: torch.Tensor):
         """g: (B, R, D), positions: (B, R) -> q, k, v each (B, nh, R, hd), q and k rotated."""
@@ -168,10 +180,11 @@ class EagleHead(nn.Module):
         """(..., D) predicted features -> (..., Vd) draft-vocabulary logits."""
         return self.out(f)
 
-    def train_passes(self, feat: torch.Tensor, emb: torch.Tensor, passes: int) -> list[torch.Tensor]:
+    def train_passes(self, feat: torch.Tensor, emb: torch.Tensor, passes: int,
+                     taps: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training-time test over whole sequences. feat: (B, C, D) the target's features f_j, emb: (B, C, D)
-        embeddings of x_{j+1}. Pass p (1-based) at position j reads pass p-1's prediction made at j-1
-        (pass 1: the true f_j) and attends to the true positions <= j-p+1 and to its own path (pass q's
+        embeddings of x_{j+1}, taps (B, C, len(self.taps), D) or None. Pass p (1-based) at position j reads
+        pass p-1's prediction made at j-1 (pass 1: the true f_j and the taps) and attends to the true positions <= j-p+1 and to its own path (pass q's
         row at j-p+q): what depth p sees when drafting. Returns each pass's predictions of f_{j+1}
         (B, C, D); pass p is meaningful at j >= p-1."""
         B, C, D = feat.shape
@@ -180,7 +193,7 @@ class EagleHead(nn.Module):
         k = torch.arange(C)[None, :]
         outs, ks, vs, x = [], [], [], feat
         for p in range(1, passes + 1):
-            g = self.inputs(x, emb)
+            g = self.inputs(x, emb, taps if p == 1 else None)
             q, kk, vv = self.qkv_rope(g, pos)
             ks.append(kk)
             vs.append(vv)
@@ -191,14 +204,52 @@ class EagleHead(nn.Module):
         return outs
 
     def for_inference(self) -> "EagleHead":
-        from .kernels import QLinear, extension
+        from .kernels import extension
 
         self.requires_grad_(False)
         if extension() is not None and self.cfg.hidden_size % 16 == 0 and self.ffn % 16 == 0:
-            for name in ("fc", "qkv", "o", "gate_up", "down", "out"):
-                lin = getattr(self, name)
-                setattr(self, name, QLinear.dense(lin.weight.detach().to(torch.bfloat16)))
+            for name in ("fc", "qkv", "o", "gate_up", "down", "out") + (("fuse",) if self.taps else ()):
+                setattr(self, name, drafting_linear(getattr(self, name).weight.detach()))
         return self.eval()
+
+
+def drafting_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """A head's (N, K) matrix for drafting, through the kernel: int8 in groups of 32 (round to nearest),
+    half the bytes of bf16 and the integer path of the kernel (a drafted token is read from the head's
+    weights on every step; drafts need no bit-exactness, the target verifies them); bf16 where K does not
+    split into groups."""
+    from .kernels import QLinear, quantize_rtn
+
+    if weight.shape[1] % 32 == 0:
+        q, scale, _ = quantize_rtn(weight.float(), 8, 32)
+        return QLinear(q, scale, None, 32, 8, bias)
+    return QLinear.dense(weight.to(torch.bfloat16), bias)
+
+
+@torch.inference_mode()
+def draft_seconds(drafter, context: int = 64, repeats: int = 5) -> float:
+    """Seconds a head drafter spends per drafted token on this machine (the median of ``repeats`` timings
+    of one head forward over a ``context``-position cache, its output layer included): the price the
+    ``auto`` drafter puts on asking it for a token."""
+    import time
+
+    head = getattr(drafter, "head", None) or drafter.heads
+    D = head.cfg.hidden_size
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        if isinstance(head, EagleHead):
+            g = head.inputs(torch.zeros(1, 1, D), torch.zeros(1, 1, D))
+            q, k, v = head.qkv_rope(g, torch.tensor([[context]]))
+            keys = torch.cat([torch.zeros(1, head.nh, context, head.hd), k], 2)
+            f = head.finish(g, q, keys, torch.cat([torch.zeros_like(keys[:, :, :context]), v], 2),
+                            torch.ones(1, context + 1, dtype=torch.bool))
+            head.logits(f)
+        else:  # all K Medusa heads come from one forward: a drafted token costs 1/K of it
+            head(torch.zeros(1, D))
+        times.append(time.perf_counter() - t0)
+    per = sorted(times)[len(times) // 2]
+    return per if isinstance(head, EagleHead) else per / head.cfg.num_heads
 
 
 def new_head(cfg: HeadConfig) -> nn.Module:

@@ -201,22 +201,43 @@ def _encode(tokenizer, text: str, chat: bool) -> list[int]:
     return tokenizer.encode(text)
 
 
+SOFT_K = 8  # the target's top-k next-token distribution recorded per position (soft labels)
+
+
+def feature_taps(num_layers: int) -> tuple[int, ...]:
+    """The decoder layers whose outputs are recorded beside the final state: a low and a middle one
+    (EAGLE-3 fuses low-, mid- and high-level features; the high one is the final state)."""
+    return tuple(sorted({min(2, num_layers - 1), num_layers // 2}))
+
+
+def soft_labels(logits: torch.Tensor, k: int = SOFT_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (..., V) -> the target's top-k next tokens (..., k) int32 and their log-probabilities (..., k)
+    float16 (over the whole vocabulary)."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return top.indices.to(torch.int32), top.values.to(torch.float16)
+
+
 @torch.inference_mode()
 def generate_features(model, tokenizer, seconds: float, max_positions: int, *, record: int = 256, rows: int = 16,
-                      seed: int = 0, progress=None, prompts: Iterator[tuple[str, bool]] | None = None):
+                      seed: int = 0, progress=None, prompts: Iterator[tuple[str, bool]] | None = None
+                      ) -> dict[str, torch.Tensor]:
     """The target's greedy answers to seed prompts, as training records of ``record`` tokens.
 
-    Returns (hidden (n·record, D) bf16, labels (n·record,) the target's greedy next token or -1 on padding,
-    tokens (n·record,), valid (n·record,) bool). A record is a prompt (at most record/2 tokens) and the
+    Returns {hidden (n·record, D) bf16, labels (n·record,) the target's greedy next token or -1 on padding,
+    tokens (n·record,), valid (n·record,) bool, taps (n·record, len(feature_taps), D) bf16 the residual
+    stream after the low and middle decoder layers, soft_ids / soft_logp (n·record, SOFT_K) the target's
+    top next tokens and their log-probabilities}. A record is a prompt (at most record/2 tokens) and the
     target's greedy continuation up to its end of sequence or the record's end; labels[t] is the argmax of
     the target's logits at t, so along the answer labels[t] == tokens[t + 1]."""
     prompts = prompts if prompts is not None else seed_prompts(seed)
     eos = getattr(tokenizer, "eos_ids", frozenset())
     cache = model.new_cache(rows, record)
     D = model.config.hidden_size
+    taps = feature_taps(model.config.num_layers)
     live: list[dict | None] = [None] * rows
     done: list[dict] = []
     n, t0 = 0, time.perf_counter()
+    KEYS = ("hidden", "taps", "soft_ids", "soft_logp")  # per-position tensors, one (1, ...) row per position
 
     def finish(i: int) -> None:
         nonlocal n
@@ -224,9 +245,15 @@ def generate_features(model, tokenizer, seconds: float, max_positions: int, *, r
         live[i] = None
         if st is not None and st["tokens"]:
             L = len(st["hidden"])
-            done.append({"tokens": st["tokens"][:L], "hidden": torch.cat(st["hidden"]) if L else None,
-                         "labels": st["labels"][:L]})
+            done.append({"tokens": st["tokens"][:L], "labels": st["labels"][:L],
+                         **{key: torch.cat(st[key]) for key in KEYS}})
             n += L
+
+    def record_rows(st: dict, out, row: int, sl: slice) -> None:
+        ids, logp = soft_labels(out.logits[row, sl])
+        for key, t in (("hidden", out.hidden[row, sl].to(torch.bfloat16)),
+                       ("taps", out.taps[row, sl].to(torch.bfloat16)), ("soft_ids", ids), ("soft_logp", logp)):
+            st[key].extend(t.split(1))
 
     def fill(i: int) -> None:
         while True:
@@ -236,10 +263,10 @@ def generate_features(model, tokenizer, seconds: float, max_positions: int, *, r
                 break
         view = cache.view(slice(i, i + 1))
         view.reset()
-        out = model.forward(torch.tensor([ids]), view, logits_for="all")  # hidden (1, P, D)
+        out = model.forward(torch.tensor([ids]), view, logits_for="all", taps=taps)  # hidden (1, P, D)
         labels = out.logits[0].argmax(-1).tolist()
-        live[i] = {"tokens": ids + [labels[-1]], "hidden": list(out.hidden[0].to(torch.bfloat16).split(1)),
-                   "labels": labels}
+        live[i] = {"tokens": ids + [labels[-1]], "labels": labels, **{key: [] for key in KEYS}}
+        record_rows(live[i], out, 0, slice(None))
         if labels[-1] in eos:
             finish(i)
 
@@ -250,10 +277,10 @@ def generate_features(model, tokenizer, seconds: float, max_positions: int, *, r
         if any(st is None for st in live):  # a prompt answered by its end of sequence at once
             continue
         x = torch.tensor([[st["tokens"][-1]] for st in live])  # (rows, 1)
-        out = model.forward(x, cache.view(slice(0, rows)), logits_for="all")  # (rows, 1, V)
+        out = model.forward(x, cache.view(slice(0, rows)), logits_for="all", taps=taps)  # (rows, 1, V)
         nxt = out.logits[:, -1].argmax(-1).tolist()
         for i, st in enumerate(live):
-            st["hidden"].append(out.hidden[i, -1:].to(torch.bfloat16))
+            record_rows(st, out, i, slice(-1, None))
             st["labels"].append(nxt[i])
             st["tokens"].append(nxt[i])
             if nxt[i] in eos or len(st["hidden"]) >= record:
@@ -266,17 +293,19 @@ def generate_features(model, tokenizer, seconds: float, max_positions: int, *, r
         from .errors import InvalidParameterError
         raise InvalidParameterError("no self-generated features: the budget is too small")
     N = len(done) * record
-    hidden = torch.zeros(N, D, dtype=torch.bfloat16)
-    labels = torch.full((N,), -1, dtype=torch.long)
-    tokens = torch.zeros(N, dtype=torch.long)
-    valid = torch.zeros(N, dtype=torch.bool)
+    f = {"hidden": torch.zeros(N, D, dtype=torch.bfloat16), "labels": torch.full((N,), -1, dtype=torch.long),
+         "tokens": torch.zeros(N, dtype=torch.long), "valid": torch.zeros(N, dtype=torch.bool),
+         "taps": torch.zeros(N, len(taps), D, dtype=torch.bfloat16),
+         "soft_ids": torch.full((N, SOFT_K), -1, dtype=torch.int32),
+         "soft_logp": torch.full((N, SOFT_K), float("-inf"), dtype=torch.float16)}
     for k, d in enumerate(done):
         L, s = len(d["labels"]), k * record
-        hidden[s:s + L] = d["hidden"].view(L, D)
-        labels[s:s + L] = torch.tensor(d["labels"])
-        tokens[s:s + L] = torch.tensor(d["tokens"])
-        valid[s:s + L] = True
-    return hidden, labels, tokens, valid
+        f["labels"][s:s + L] = torch.tensor(d["labels"])
+        f["tokens"][s:s + L] = torch.tensor(d["tokens"])
+        f["valid"][s:s + L] = True
+        for key in KEYS:
+            f[key][s:s + L] = d[key]
+    return f
 
 
-__all__ = ["generate_features", "package_docs", "seed_prompts", "stdlib_sources"]
+__all__ = ["SOFT_K", "feature_taps", "generate_features", "soft_labels", "package_docs", "seed_prompts", "stdlib_sources"]

@@ -3,19 +3,22 @@
 Self-distillation in two phases within ``--minutes``:
 
 1. **Features** (up to FEATURE_SHARE of the budget), in records of CHUNK tokens: at every position the target's final
-   hidden state h_t and its own greedy next token a_t (what it would write there) are recorded, with the
+   hidden state h_t, the outputs of a low and a middle decoder layer (``selfgen.feature_taps``), its own
+   greedy next token a_t (what it would write there) and its top-8 distribution are recorded, with the
    token. Labels are the target's predictions, never a corpus text, so the heads learn the target. Two
    sources (``--corpus``, repeatable; the budget is shared equally):
    - ``self`` (the default): the target *writes* the corpus — batched greedy answers to prompts built from
      offline material (selfgen.py), prompt positions included; the distribution it drafts on.
    - a text file or folder: the target *reads* it in chunks (SmolLM2 on Zen 3: 2.2x as many
      positions per second as writing), but text the target would not write.
-2. **Training** (cross-entropy over the draft vocabulary: the most frequent target predictions), AdamW,
-   with checkpoints every minute; held-out top-1 accuracy per head (medusa) or per drafted depth (eagle)
+2. **Training** (cross-entropy over the draft vocabulary — the most frequent target predictions — half on
+   the greedy token, half on the target's top-8 distribution), AdamW with a warm-up and a cosine decay
+   over the time left, with checkpoints every minute; held-out top-1 accuracy per head (medusa) or per drafted depth (eagle)
    is written into the head's config.
    - ``--kind medusa``: head k learns a_{t+k} from h_t.
    - ``--kind eagle``: over whole chunks, the layer learns f_{t+1} (smooth L1) and a_{t+1} from (f_t,
-     x_{t+1}), at ``--num-heads`` depths by EAGLE-3's training-time test (heads.py).
+     x_{t+1}) and the tapped layers at t (EAGLE-3's fused features; ``--no-fuse``: f_t alone), at
+     ``--num-heads`` depths by EAGLE-3's training-time test (heads.py).
 
 Resumable: the features are saved in ``OUT/features.safetensors`` and the heads at each checkpoint; a
 second run with the same ``--out`` continues from both.
@@ -28,6 +31,7 @@ prompts are refused (``--corpus`` pointing into a ``spec_bench`` folder is an er
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import time
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 
 from .errors import InvalidParameterError
 from .heads import HeadConfig, default_heads_dir, eagle_arch, load_heads, new_head, save_heads, target_identity
+from .selfgen import SOFT_K, feature_taps, soft_labels
 
 KINDS = ("medusa", "eagle")
 FEATURES = "features.safetensors"
@@ -98,15 +103,16 @@ def _chunks(files: list[Path], tokenizer, seed: int = 0):
 
 @torch.inference_mode()
 def collect_features(model, tokenizer, files: list[Path], seconds: float, max_positions: int, progress=None,
-                     batch: int = 8):
-    """(hidden (N, D) bf16, greedy next token (N,), corpus token (N,)) over full corpus chunks of CHUNK
-    tokens, ``batch`` chunks per target forward, within ``seconds`` (text read: every
-    position valid)."""
+                     batch: int = 8) -> dict[str, torch.Tensor]:
+    """Features of full corpus chunks of CHUNK tokens, ``batch`` chunks per target forward, within
+    ``seconds`` (text read: every position valid); the keys of ``selfgen.generate_features``."""
     from .kernels import fp32_gemm
 
-    hs, labels, toks = [], [], []
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden", "labels", "tokens", "taps", "soft_ids",
+                                                             "soft_logp")}
     n, t0 = 0, time.perf_counter()
     cache = model.new_cache(batch, CHUNK)
+    taps = feature_taps(model.config.num_layers)
     chunks = (c for c in _chunks(files, tokenizer) if len(c) == CHUNK)
     while time.perf_counter() - t0 < seconds and n < max_positions:
         group = [c for _, c in zip(range(batch), chunks)]
@@ -115,24 +121,31 @@ def collect_features(model, tokenizer, files: list[Path], seconds: float, max_po
         view = cache.view(slice(0, len(group)))
         view.reset()
         with fp32_gemm():  # features need no bit-exactness: the fastest GEMM this CPU has
-            out = model.forward(torch.tensor(group), view, logits_for="all")  # (b, CHUNK, V)
-        hs.append(out.hidden.reshape(-1, out.hidden.shape[-1]).to(torch.bfloat16))
-        labels.append(out.logits.argmax(-1).reshape(-1))
-        toks.append(torch.tensor(group).reshape(-1))
+            out = model.forward(torch.tensor(group), view, logits_for="all", taps=taps)  # (b, CHUNK, V)
+        D = out.hidden.shape[-1]
+        ids, logp = soft_labels(out.logits.reshape(-1, out.logits.shape[-1]))
+        for key, t in (("hidden", out.hidden.reshape(-1, D).to(torch.bfloat16)),
+                       ("labels", out.logits.argmax(-1).reshape(-1)), ("tokens", torch.tensor(group).reshape(-1)),
+                       ("taps", out.taps.reshape(-1, len(taps), D).to(torch.bfloat16)), ("soft_ids", ids),
+                       ("soft_logp", logp)):
+            parts[key].append(t)
         n += len(group) * CHUNK
         if progress is not None:
             progress(n, time.perf_counter() - t0)
-    if not hs:
+    if not parts["hidden"]:
         raise InvalidParameterError(f"no features collected: the corpus has no text of {CHUNK} tokens, or the "
                                     "budget is too small")
-    return torch.cat(hs), torch.cat(labels), torch.cat(toks)
+    f = {k: torch.cat(v) for k, v in parts.items()}
+    f["valid"] = torch.ones_like(f["labels"], dtype=torch.bool)
+    return f
 
 
 def gather_features(model, tokenizer, corpus: list[str], seconds: float, max_positions: int, prog=None,
                     seed: int = 0) -> dict[str, torch.Tensor]:
     """Features from every source in ``corpus`` ("self" and/or text paths; the time and position budgets
-    shared equally), as records of CHUNK positions shuffled together: {hidden (N, D) bf16, labels (N,) the
-    target's greedy next token or -1, tokens (N,), valid (N,) bool}."""
+    shared equally), as records of CHUNK positions shuffled together: the keys of
+    ``selfgen.generate_features`` (hidden (N, D) bf16, labels (N,) the target's greedy next token or -1,
+    tokens (N,), valid (N,) bool, taps, soft_ids, soft_logp)."""
     from .selfgen import generate_features
 
     texts = [c for c in corpus if c != SELF]
@@ -147,20 +160,51 @@ def gather_features(model, tokenizer, corpus: list[str], seconds: float, max_pos
                 prog.update(task, completed=s, info=f"{n} positions, {n / max(s, 1e-9):.0f}/s")
 
         if src == SELF:
-            h, y, tok, valid = generate_features(model, tokenizer, seconds / len(sources),
-                                                 max_positions // len(sources), record=CHUNK, seed=seed,
-                                                 progress=progress)
+            f = generate_features(model, tokenizer, seconds / len(sources), max_positions // len(sources),
+                                  record=CHUNK, seed=seed, progress=progress)
         else:
-            h, y, tok = collect_features(model, tokenizer, corpus_files(texts), seconds / len(sources),
-                                            max_positions // len(sources), progress)
-            valid = torch.ones_like(y, dtype=torch.bool)
+            f = collect_features(model, tokenizer, corpus_files(texts), seconds / len(sources),
+                                 max_positions // len(sources), progress)
         if prog is not None:
             prog.update(task, completed=seconds / len(sources))
-        parts.append((h, y, tok, valid))
-    hidden, labels, tokens, valid = (torch.cat(x) for x in zip(*parts))
-    order = torch.randperm(hidden.shape[0] // CHUNK, generator=torch.Generator().manual_seed(seed))
+        parts.append(f)
+    f = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    order = torch.randperm(f["hidden"].shape[0] // CHUNK, generator=torch.Generator().manual_seed(seed))
     pos = (order[:, None] * CHUNK + torch.arange(CHUNK)).reshape(-1)  # whole records, shuffled
-    return {"hidden": hidden[pos].contiguous(), "labels": labels[pos], "tokens": tokens[pos], "valid": valid[pos]}
+    return {k: v[pos].contiguous() for k, v in f.items()}
+
+
+WARMUP = 20  # steps of linear warm-up
+FUSE = True  # eagle heads read the target's low and middle layers too (EAGLE-3's fused features)
+SOFT = 0.5  # weight of the target's top-k distribution in the token loss (the rest: its greedy token)
+
+
+def lr_factor(step: int, frac: float) -> float:
+    """The learning rate's factor at ``step`` (since this run started) and ``frac`` of the training time
+    spent: a linear warm-up, then a cosine from 1 down to 0.1 at the end of the budget."""
+    return min(1.0, (step + 1) / WARMUP) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(max(frac, 0.0), 1.0))))
+
+
+def soft_targets(f: dict[str, torch.Tensor], to_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's recorded top-k next tokens as draft-vocabulary ids (N, k) (0 where outside it) and their
+    probabilities renormalised over the ones inside it (N, k) (all 0 where none is)."""
+    ids = f["soft_ids"].long()
+    d = torch.where(ids >= 0, to_draft[ids.clamp_min(0)], torch.full_like(ids, -1))
+    p = torch.where(d >= 0, f["soft_logp"].float().exp(), torch.zeros(()))
+    return d.clamp_min(0), p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+
+
+def token_loss(logits: torch.Tensor, y: torch.Tensor, soft_ids: torch.Tensor | None, soft_p: torch.Tensor | None,
+               soft: float) -> torch.Tensor:
+    """logits (N, Vd); y (N,) draft id of the target's greedy token or -1; soft_ids, soft_p (N, k): its
+    top-k distribution over the draft vocabulary. (1 - soft) * CE(greedy) + soft * CE(top-k distribution)."""
+    hard = F.cross_entropy(logits, y, ignore_index=-1)
+    if not soft or soft_ids is None:
+        return hard
+    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, soft_ids)  # (N, k)
+    m = (y >= 0).float()
+    cross = -(soft_p * logq).sum(-1)
+    return (1 - soft) * hard + soft * (cross * m).sum() / m.sum().clamp_min(1.0)
 
 
 def head_targets(labels: torch.Tensor, chunk_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -186,11 +230,13 @@ def output_rows(lm_head, rows: torch.Tensor) -> torch.Tensor:
 def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, target_sha: str, out: Path,
                 minutes: float, corpus: list[str] | None = None, num_heads: int = 3, vocab_size: int = 8192,
                 batch: int | None = None, lr: float | None = None, max_positions: int = 400_000,
-                log=print, bar=True):
+                fuse: bool = FUSE, soft: float = SOFT, log=print, bar=True):
     """Collect features from ``corpus`` (``--corpus`` entries: "self" and/or text paths; default "self"),
     or reuse OUT/features.safetensors, then train the heads (``kind`` medusa: K heads; eagle: one layer,
-    ``num_heads`` training-time-test depths) for the rest of ``minutes``; checkpoints in ``out``. Returns
-    the trained heads."""
+    ``num_heads`` training-time-test depths) for the rest of ``minutes``; checkpoints in ``out``. ``fuse``
+    (eagle): the head also reads the target's low and middle layers (EAGLE-3); ``soft``: the weight of the
+    target's top-k distribution beside its greedy token in the token loss. The learning rate warms up and
+    decays by a cosine over the training time. Returns the trained heads."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
     from safetensors.torch import load_file, save_file
 
@@ -213,7 +259,7 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
                   TimeRemainingColumn(), disable=not bar, transient=False) as prog:
         feat_file = out / FEATURES
         f = load_file(str(feat_file)) if feat_file.is_file() else None
-        if f is not None and ("valid" not in f or f["hidden"].shape[1] != D):
+        if f is not None and ("soft_ids" not in f or f["hidden"].shape[1] != D):
             log(f"train-head: {feat_file} holds features of another model or an older version; collecting anew")
             f = None
         if f is not None:
@@ -221,17 +267,19 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
         else:
             f = gather_features(model, tokenizer, corpus, budget * FEATURE_SHARE, max_positions, prog)
             save_file(f, str(feat_file))
-        hidden, labels, tokens, valid = f["hidden"], f["labels"], f["tokens"], f["valid"]
+        hidden, labels, valid = f["hidden"], f["labels"], f["valid"]
         chunk_ids = torch.arange(hidden.shape[0]) // CHUNK
         vocab = torch.bincount(labels[labels >= 0], minlength=cfg_m.vocab_size).topk(
             min(vocab_size, cfg_m.vocab_size)).indices.sort().values
         to_draft = torch.full((cfg_m.vocab_size,), -1, dtype=torch.long)
         to_draft[vocab] = torch.arange(len(vocab))
-        arch = eagle_arch(D, cfg_m.head_dim, cfg_m.rope_theta, cfg_m.rms_eps) if eagle else {}
+        taps = feature_taps(cfg_m.num_layers) if eagle and fuse else ()
+        arch = eagle_arch(D, cfg_m.head_dim, cfg_m.rope_theta, cfg_m.rms_eps, taps=taps) if eagle else {}
         cfg = HeadConfig(kind, num_heads, D, vocab.tolist(), target_name, target_sha, arch=arch)
         if (out / "config.json").is_file():
             heads = load_heads(out, target_sha)
-            if heads.cfg.kind != kind or heads.cfg.vocab != cfg.vocab or heads.cfg.num_heads != num_heads:
+            if heads.cfg.kind != kind or heads.cfg.vocab != cfg.vocab or heads.cfg.num_heads != num_heads \
+                    or heads.cfg.arch.get("taps", []) != cfg.arch.get("taps", []):
                 raise InvalidParameterError(f"{out} holds heads of another kind or shape; use a new --out")
             log(f"train-head: resuming the heads in {out}")
         else:
@@ -241,17 +289,19 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
                 if eagle:  # the features' scale, so that the head starts as the identity on them
                     heads.norm_f.fill_(float(hidden[valid][:4096].float().pow(2).mean().sqrt()))
         heads.out.requires_grad_(False)  # the target's own head, restricted: the rest learns
-        task_data = (_EagleData if eagle else _MedusaData)(model, hidden, labels, chunk_ids, tokens, valid,
-                                                          to_draft, num_heads)
+        task_data = (_EagleData if eagle else _MedusaData)(model, f, chunk_ids, to_draft, num_heads, soft)
         opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
         g = torch.Generator().manual_seed(0)
         left = budget - (time.perf_counter() - t_start)
         task = prog.add_task("training", total=max(left, 1.0), info="")
         t0 = last_ckpt = time.perf_counter()
         steps, loss_ema = int(heads.cfg.trained.get("steps", 0)), None
+        steps0 = steps
         ckpt = lambda: _checkpoint(heads, out, steps, int(valid.sum()), minutes, corpus_name,  # noqa: E731
                                    task_data)
         while time.perf_counter() - t_start < budget:
+            for group in opt.param_groups:
+                group["lr"] = lr * lr_factor(steps - steps0, (time.perf_counter() - t0) / max(left, 1.0))
             loss = task_data.loss(heads, task_data.sample(batch, g))
             opt.zero_grad()
             loss.backward()
@@ -265,9 +315,8 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
                 ckpt()
                 last_ckpt = time.perf_counter()
         acc = ckpt()
-    what = "head" if eagle else "heads"
     log(f"train-head: {steps} steps on {int(valid.sum())} positions; held-out top-1 accuracy per "
-        f"{'depth' if eagle else what}: " + ", ".join(f"{a:.3f}" for a in acc) + f"; wrote {out}")
+        f"{'depth' if eagle else 'head'}: " + ", ".join(f"{a:.3f}" for a in acc) + f"; wrote {out}")
     return heads
 
 
@@ -280,12 +329,15 @@ def train_eagle(model, tokenizer, **kw):
 
 
 class _MedusaData:
-    """Positions: head k learns the target's greedy token a_{t+k} from h_t. The last 5% held out."""
+    """Positions: head k learns the target's greedy token a_{t+k} (and its top-k distribution) from h_t.
+    The last 5% held out."""
 
-    def __init__(self, model, hidden, labels, chunk_ids, tokens, valid, to_draft, K):
+    def __init__(self, model, f, chunk_ids, to_draft, K, soft):
+        hidden, labels, valid = f["hidden"], f["labels"], f["valid"]
         targets = head_targets(labels, chunk_ids, K)  # (K, N)
-        self.hidden = hidden
+        self.hidden, self.soft = hidden, soft
         self.y = torch.where(targets >= 0, to_draft[targets.clamp_min(0)], torch.full_like(targets, -1))  # (K, N)
+        self.soft_ids, self.soft_p = soft_targets(f, to_draft)  # (N, k) at position t: for a_t
         n_chunks = max(1, hidden.shape[0] // CHUNK)
         self.n_val = max(1, n_chunks // 20) * CHUNK if n_chunks > 1 else max(1, hidden.shape[0] // 20)
         # whole records at the end of the shuffled corpus are held out; training samples real positions only
@@ -296,7 +348,13 @@ class _MedusaData:
 
     def loss(self, heads, idx):
         logits = heads(self.hidden[idx].float())  # (K, B, Vd)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), self.y[:, idx].reshape(-1), ignore_index=-1)
+        N = self.hidden.shape[0]
+        total = 0.0
+        for k in range(logits.shape[0]):  # head k+1 learns position t+k+1's distribution (same record)
+            y = self.y[k, idx]
+            at = (idx + k + 1).clamp_max(N - 1)
+            total = total + token_loss(logits[k], y, self.soft_ids[at], self.soft_p[at], self.soft)
+        return total / logits.shape[0]
 
     @torch.no_grad()
     def held_out(self, heads) -> list[float]:
@@ -308,23 +366,28 @@ class _MedusaData:
 
 
 class _EagleData:
-    """Whole chunks: head position j reads (f_j, x_{j+1}) and learns f_{j+1} (smooth L1) and the target's
-    greedy token after it (cross-entropy over the draft vocabulary), at every training-time-test depth.
+    """Whole chunks: head position j reads (f_j, x_{j+1}) (and the target's lower layers at j, when the head
+    fuses them) and learns f_{j+1} (smooth L1) and the target's next token after it (cross-entropy over the
+    draft vocabulary, its greedy token and its top-k distribution), at every training-time-test depth.
     The last 5% of the chunks held out."""
 
     REG = 1.0  # weight of the feature regression beside the token loss
     WINDOW = 32  # positions per training window: short windows, more steps per minute (measured best of 32/96)
 
-    def __init__(self, model, hidden, labels, chunk_ids, tokens, valid, to_draft, passes):
+    def __init__(self, model, f, chunk_ids, to_draft, passes, soft):
         C = CHUNK
+        hidden = f["hidden"]
         n = hidden.shape[0] // C
-        self.model, self.passes = model, passes
+        self.model, self.passes, self.soft = model, passes, soft
         self.hidden = hidden[:n * C].view(n, C, -1)  # (n, C, D)
-        self.tokens = tokens[:n * C].view(n, C)
-        y = labels[:n * C].view(n, C)
+        self.taps = f["taps"][:n * C].view(n, C, *f["taps"].shape[1:])  # (n, C, taps, D)
+        self.tokens = f["tokens"][:n * C].view(n, C)
+        y = f["labels"][:n * C].view(n, C)
         # (n, C) draft-vocabulary id of the target's next token, or -1 (outside the draft vocabulary, padding)
         self.y = torch.where(y >= 0, to_draft[y.clamp_min(0)], torch.full_like(y, -1))
-        self.valid = valid[:n * C].view(n, C)  # (n, C) real positions (a record is a prefix of real ones)
+        sid, sp = soft_targets(f, to_draft)
+        self.soft_ids, self.soft_p = sid[:n * C].view(n, C, -1), sp[:n * C].view(n, C, -1)  # (n, C, k)
+        self.valid = f["valid"][:n * C].view(n, C)  # (n, C) real positions (a record is a prefix of real ones)
         self.lens = self.valid.sum(1)  # (n,)
         self.n_val = max(1, n // 20)
         self.n_train = max(1, n - self.n_val)
@@ -343,28 +406,32 @@ class _EagleData:
         j = (s0 if s0 is not None else torch.zeros_like(c))[:, None] + torch.arange(W + 1)  # (B, W+1)
         rows = c[:, None]
         feat = self.hidden[rows, j[:, :-1]].float()  # (B, W, D) f_j
+        taps = self.taps[rows, j[:, :-1]].float() if heads.taps else None  # (B, W, taps, D)
         with torch.no_grad():
             emb = self.model.embed(self.tokens[rows, j[:, 1:]]).float().clone()  # (B, W, D) e(x_{j+1})
-        return (heads.train_passes(feat, emb, self.passes), self.hidden[rows, j[:, 1:]].float(),
-                self.y[rows, j[:, 1:]], self.valid[rows, j[:, 1:]])
+        nxt = (rows, j[:, 1:])
+        return (heads.train_passes(feat, emb, self.passes, taps), self.hidden[nxt].float(), self.y[nxt],
+                self.valid[nxt], self.soft_ids[nxt], self.soft_p[nxt])
 
     def loss(self, heads, idx):
-        outs, f_next, y, real = self._outs(heads, idx)  # real: (B, W) f_{j+1} is a recorded state
+        outs, f_next, y, real, sid, sp = self._outs(heads, idx)  # real: (B, W) f_{j+1} is a recorded state
         total = 0.0
         for p, f in enumerate(outs):  # pass p+1 is meaningful from position p on
             logits = heads.logits(f[:, p:])
             m = real[:, p:].unsqueeze(-1).float()  # (B, W-p, 1)
             reg = (F.smooth_l1_loss(f[:, p:], f_next[:, p:], reduction="none") * m).sum() \
                 / (m.sum() * f.shape[-1]).clamp_min(1.0)
-            total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, p:].reshape(-1),
-                                            ignore_index=-1) + self.REG * reg
+            k = sid.shape[-1]
+            total = total + token_loss(logits.reshape(-1, logits.shape[-1]), y[:, p:].reshape(-1),
+                                       sid[:, p:].reshape(-1, k), sp[:, p:].reshape(-1, k), self.soft) \
+                + self.REG * reg
         return total / len(outs)
 
     @torch.no_grad()
     def held_out(self, heads) -> list[float]:
         idx = torch.arange(self.n_train, self.n_train + self.n_val)[:16] if self.n_train < self.hidden.shape[0] \
             else torch.arange(0, min(16, self.n_train))
-        outs, _, y, _ = self._outs(heads, (idx, None))  # whole records
+        outs, _, y, *_ = self._outs(heads, (idx, None))  # whole records
         acc = []
         for p, f in enumerate(outs):
             yy = y[:, p:]
@@ -398,6 +465,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-heads", type=int, default=3,
                    help="medusa: heads; eagle: depths trained by training-time test (default 3)")
     p.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary rows (default 8192)")
+    p.add_argument("--no-fuse", dest="fuse", action="store_false",
+                   help="eagle: read the target's final state only, not also its low and middle layers "
+                        "(EAGLE-3's fused features, the default)")
+    p.add_argument("--soft", type=float, default=SOFT,
+                   help=f"weight of the target's top-{SOFT_K} distribution in the token loss, the rest on its greedy "
+                        f"token (default {SOFT})")
 
 
 def cmd_train_head(args) -> int:
@@ -407,6 +480,8 @@ def cmd_train_head(args) -> int:
 
     if args.num_heads < 1 or args.vocab_size < 16:
         raise InvalidParameterError("--num-heads must be >= 1 and --vocab-size >= 16")
+    if not 0.0 <= args.soft <= 1.0:
+        raise InvalidParameterError(f"--soft must be in [0, 1], got {args.soft}")
     corpus_files(args.corpus)  # a bad path is an error before the model loads
     _setup_threads(args)
     lm = load_model(args.target, args.dtype, "native")
@@ -415,7 +490,8 @@ def cmd_train_head(args) -> int:
     out = Path(args.out) if args.out else default_heads_dir(src, sha, args.kind)
     train_heads(lm.model, lm.tokenizer, kind=args.kind, target_name=args.target, target_sha=sha,
                 out=out, minutes=args.minutes, corpus=args.corpus, num_heads=args.num_heads,
-                vocab_size=args.vocab_size, log=lambda m: print(m, file=sys.stderr))
+                vocab_size=args.vocab_size, fuse=args.fuse, soft=args.soft,
+                log=lambda m: print(m, file=sys.stderr))
     return 0
 
 

@@ -191,18 +191,27 @@ def check_outputs(out: Path, methods: list[str]) -> dict:
     return res
 
 
-def tiny_heads(folder, out):
-    """Untrained Medusa and EAGLE heads for the HF folder's model, tied to its weight files: "medusa,eagle"."""
+def tiny_heads(folder, out, noise: float = 0.0):
+    """Medusa and EAGLE heads (the EAGLE one reading the target's inner layers too) for the HF folder's
+    model, tied to its weight files: "medusa,eagle". Untrained (the identity), or with ``noise`` added to
+    their matrices (drafts accepted at times)."""
     import json
 
     from draftwise.heads import EagleHead, HeadConfig, MedusaHeads, eagle_arch, save_heads, target_identity
+    from draftwise.selfgen import feature_taps
 
     c = json.loads((folder / "config.json").read_text())
     D, V, sha = c["hidden_size"], c["vocab_size"], target_identity(folder)
-    save_heads(MedusaHeads(HeadConfig("medusa", 2, D, list(range(V)), str(folder), sha)), out / "medusa")
     hd = c.get("head_dim") or D // c["num_attention_heads"]
-    save_heads(EagleHead(HeadConfig("eagle", 2, D, list(range(V)), str(folder), sha,
-                                    arch=eagle_arch(D, hd, c.get("rope_theta", 10000.0), 1e-6))), out / "eagle")
+    g = torch.Generator().manual_seed(0)
+    for name, head in (("medusa", MedusaHeads(HeadConfig("medusa", 2, D, list(range(V)), str(folder), sha))),
+                       ("eagle", EagleHead(HeadConfig("eagle", 2, D, list(range(V)), str(folder), sha, arch=eagle_arch(
+                           D, hd, c.get("rope_theta", 10000.0), 1e-6, taps=feature_taps(c["num_hidden_layers"])))))):
+        with torch.no_grad():
+            for p in head.parameters():
+                if p.dim() == 2:
+                    p.add_(torch.randn(p.shape, generator=g) * noise)
+        save_heads(head, out / name)
     return f"{out / 'medusa'},{out / 'eagle'}"
 
 

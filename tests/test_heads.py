@@ -12,6 +12,7 @@ from draftwise.drafters.medusa import MedusaDrafter
 from draftwise.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
 from draftwise.heads import EagleHead, HeadConfig, MedusaHeads, best_first_tree, eagle_arch, load_heads, pick_heads, save_heads
 from draftwise.sampling import SamplingParams
+from draftwise.selfgen import feature_taps
 from draftwise.sequence import Sequence
 from draftwise.train_head import corpus_files, head_targets, train_eagle, train_medusa
 from tests.conftest import TINY_QWEN
@@ -136,10 +137,11 @@ def test_medusa_needs_valid_branches(tiny_target):
 
 # ---- EAGLE-style head -----------------------------------------------------------------------------------
 
-def _eagle(target, vocab=96, seed=0, scale=0.2) -> EagleHead:
+def _eagle(target, vocab=96, seed=0, scale=0.2, fused=False) -> EagleHead:
     c = target.config
+    taps = feature_taps(c.num_layers) if fused else ()
     head = EagleHead(HeadConfig("eagle", 3, c.hidden_size, list(range(vocab)), "tiny", "abc",
-                                arch=eagle_arch(c.hidden_size, c.head_dim, c.rope_theta, c.rms_eps)))
+                                arch=eagle_arch(c.hidden_size, c.head_dim, c.rope_theta, c.rms_eps, taps=taps)))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         head.out.weight.copy_(target.lm_head.weight[:vocab])
@@ -149,11 +151,12 @@ def _eagle(target, vocab=96, seed=0, scale=0.2) -> EagleHead:
     return head
 
 
-@pytest.mark.parametrize("gamma,branches", [(1, 1), (4, 1), (3, 2), (5, 4)])
-def test_eagle_greedy_equals_plain(tiny_target, gamma, branches):
+@pytest.mark.parametrize("gamma,branches,fused", [(1, 1, False), (4, 1, False), (3, 2, False), (5, 4, False),
+                                                   (4, 1, True), (3, 2, True)])
+def test_eagle_greedy_equals_plain(tiny_target, gamma, branches, fused):
     params = SamplingParams(max_tokens=40)
     ref = [s.output_ids for s in run(tiny_target, None, PROMPTS, params)]
-    head = _eagle(tiny_target).for_inference()
+    head = _eagle(tiny_target, fused=fused).for_inference()
     for rows in (1, 4):
         d = EagleDrafter(head, tiny_target.embed, branches=branches)
         seqs = run(tiny_target, d, PROMPTS, params, gamma=gamma, rows=rows)
@@ -181,6 +184,33 @@ def test_eagle_training_passes_see_what_drafting_sees(tiny_target):
             keys, values = torch.cat([k[:, :, :j], k2], 2), torch.cat([v[:, :, :j], v2], 2)
             row = head.finish(g2, q2, keys, values, torch.ones(1, j + 1, dtype=torch.bool))
             torch.testing.assert_close(row[0, 0], p2[0, j], atol=1e-4, rtol=1e-4)  # a wrong mask: O(1) off
+
+
+def test_fused_eagle_drafts_from_the_target_layers_it_was_trained_on(tiny_target):
+    """A head reading the target's inner layers (EAGLE-3 feature fusion): the decode loop hands the drafter
+    the tapped layers' outputs, and its first draft is what training's pass 1 predicts from the same
+    features; the taps matter (zeroing them changes the prediction)."""
+    head = _eagle(tiny_target, fused=True, scale=0.5).eval()
+    assert head.taps and EagleDrafter(head, tiny_target.embed).feature_taps == head.taps
+    prompt = [ord(c) % 96 for c in "def add(a, b):\n    return a"]
+    cache = tiny_target.new_cache(1, 64)
+    out = tiny_target.forward(torch.tensor([prompt]), cache.view(slice(0, 1)), logits_for="all", taps=head.taps)
+    nxt = int(out.logits[0, -1].argmax())
+    # head position j reads (f_j, x_{j+1}): j = 0 .. P-1 over the prompt and the target's next token
+    feat, taps = out.hidden, out.taps  # (1, P, D), (1, P, taps, D)
+    emb = tiny_target.embed(torch.tensor([prompt[1:] + [nxt]])).float()
+    with torch.no_grad():
+        want = int(head.vocab[head.logits(head.train_passes(feat, emb, 1, taps)[0][0, -1]).argmax()])
+    drafter = EagleDrafter(head, tiny_target.embed, branches=1)
+    dec = Decoder(tiny_target, drafter, rows=1, capacity=64)
+    seq = Sequence(prompt, SamplingParams(max_tokens=8))
+    dec.add(seq)
+    assert seq.tokens[-1] == nxt
+    draft = drafter.propose([seq], [1])[0]
+    assert draft.tokens == [want]
+    with torch.no_grad():
+        zeroed = head.train_passes(feat, emb, 1, torch.zeros_like(taps))[0][0, -1]
+        assert not torch.allclose(zeroed, head.train_passes(feat, emb, 1, taps)[0][0, -1])
 
 
 @pytest.mark.statistical
@@ -246,3 +276,98 @@ def test_default_heads_folder_end_to_end(hf_folder, tmp_path, monkeypatch, capsy
     assert out.token_ids == ref.token_ids and out.stats.drafted > 0
     with pytest.raises(ModelNotFoundError, match="train-head --kind medusa"):  # only eagle heads exist
         dw.generate("def add(a, b):", params, method="medusa")
+
+
+def test_lr_schedule_warms_up_then_decays_by_a_cosine():
+    from draftwise.train_head import WARMUP, lr_factor
+
+    assert lr_factor(0, 0.0) == pytest.approx(1 / WARMUP)
+    assert lr_factor(WARMUP, 0.0) == pytest.approx(1.0)
+    assert lr_factor(10 * WARMUP, 0.5) == pytest.approx(0.55)
+    assert lr_factor(10 * WARMUP, 1.0) == pytest.approx(0.1) == lr_factor(10 * WARMUP, 3.0)
+    fr = [lr_factor(10 * WARMUP, x / 10) for x in range(11)]
+    assert fr == sorted(fr, reverse=True)
+
+
+def test_soft_targets_keep_the_draft_vocabulary_and_renormalise():
+    """The target's top-k over the whole vocabulary -> draft-vocabulary ids and probabilities renormalised
+    over the ones the draft vocabulary has; a position whose top-k has none carries no soft target."""
+    from draftwise.train_head import soft_targets, token_loss
+
+    to_draft = torch.full((10,), -1, dtype=torch.long)
+    to_draft[torch.tensor([2, 5, 7])] = torch.tensor([0, 1, 2])
+    ids = torch.tensor([[5, 3, 2], [9, 8, 4]], dtype=torch.int32)  # tokens 3, 9, 8, 4 are not drafted
+    logp = torch.log(torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.2, 0.1]])).half()
+    d, p = soft_targets({"soft_ids": ids, "soft_logp": logp}, to_draft)
+    assert d[0].tolist() == [1, 0, 0] and p[0].tolist() == pytest.approx([0.5 / 0.6, 0.0, 0.1 / 0.6], rel=1e-3)
+    assert p[1].tolist() == [0.0, 0.0, 0.0]
+    logits = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([1, -1])
+    hard = torch.nn.functional.cross_entropy(logits, y, ignore_index=-1)
+    assert token_loss(logits, y, d, p, 0.0) == pytest.approx(float(hard))
+    soft = -(p[0] * torch.log_softmax(logits[0], -1)[d[0]]).sum()
+    assert token_loss(logits, y, d, p, 1.0) == pytest.approx(float(soft), rel=1e-5)
+    one_hot = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # the greedy token alone: the hard loss
+    assert token_loss(logits, y, d, one_hot, 0.7) == pytest.approx(float(hard), rel=1e-5)
+
+
+@pytest.mark.parametrize("costly", [False, True])
+def test_auto_chooses_between_a_fused_eagle_head_and_prompt_lookup(tiny_target, costly):
+    """``auto`` with an EAGLE head (reading the target's inner layers) and a Medusa head beside prompt lookup:
+    the loop asks for the taps auto's eagle child reads, each child gets the states it expects (started at
+    the prefill even when priced as costly, i.e. only asked to draft when chosen), and the output is plain
+    decoding's."""
+    from draftwise.drafters.auto import AutoDrafter
+    from draftwise.drafters.pld import PromptLookupDrafter
+
+    params = SamplingParams(max_tokens=40)
+    ref = [s.output_ids for s in run(tiny_target, None, PROMPTS, params)]
+    c = tiny_target.config
+    medusa = MedusaHeads(HeadConfig("medusa", 2, c.hidden_size, list(range(96)), "tiny", "abc"))
+    with torch.no_grad():
+        medusa.out.weight.copy_(tiny_target.lm_head.weight[:96])
+    head = _eagle(tiny_target, fused=True, scale=0.05).for_inference()
+    auto = AutoDrafter({"pld": PromptLookupDrafter(), "eagle": EagleDrafter(head, tiny_target.embed),
+                        "medusa": MedusaDrafter(medusa.for_inference(), branches=1)}, lambda T: 1.0 + 0.01 * T,
+                       draft_cost={"eagle": 1e-3, "medusa": 1e-3} if costly else None)
+    assert auto.wants_prompt_hidden and auto.feature_taps == head.taps
+    for rows in (1, 3):
+        seqs = run(tiny_target, auto, PROMPTS, params, gamma=3, rows=rows)
+        assert [s.output_ids for s in seqs] == ref
+    assert auto.chosen["eagle"] > 0 and auto.chosen["medusa"] + auto.chosen["pld"] > 0, auto.chosen
+    if costly:
+        assert auto.costly == ["eagle", "medusa"]
+        from draftwise.heads import draft_seconds
+        assert 0 < draft_seconds(auto.children["eagle"]) < 1 and 0 < draft_seconds(auto.children["medusa"]) < 1
+
+
+def test_heads_draft_through_int8_weights():
+    """A head's matrices for drafting are int8 groups of 32 (bf16 where the width does not split into
+    groups): close to the float product — drafts need no bit-exactness, the target verifies them."""
+    from draftwise.heads import drafting_linear
+    from draftwise.kernels import QLinear, extension
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 96, generator=g), torch.randn(3, 96, generator=g)
+    lin = drafting_linear(w)
+    assert isinstance(lin, QLinear) and lin.bits == 8 and drafting_linear(w[:, :40]).bits == 16
+    if extension() is not None:
+        y = lin(x)
+        assert (y - x @ w.t()).norm() < 0.02 * (x @ w.t()).norm()
+
+
+@pytest.mark.parametrize("flat,width", [(True, 3), (False, 1)])
+def test_head_methods_draft_trees_only_where_verifying_them_is_cheap(hf_folder, tmp_path, flat, width):
+    """Without --tree-width, medusa / eagle draft EAGLE-2 trees on a CPU where a pass over a two-level tree
+    costs about one token's (AMX), chains where every token fed costs (AVX2); --tree-width overrides."""
+    from draftwise import SpeculativeDecoder
+    from draftwise.api import AUTO_COST_SIZES, TREE_WIDTH, tree_options
+    from tests.test_bench import tiny_heads
+
+    dw = SpeculativeDecoder(str(hf_folder), None, dtype="fp32", progress=False)
+    costs = {T: 0.01 * (1.0 if flat else T) for T in sorted({*AUTO_COST_SIZES, 1 + 2 * TREE_WIDTH, *range(1, 30)})}
+    dw._target_costs.update(costs)  # as measured on such a machine
+    heads = tiny_heads(hf_folder, tmp_path / "heads")
+    for method in ("medusa", "eagle"):
+        assert dw.make_drafter(method, 1, 64, **tree_options(method, None, heads)).branches == width
+        assert dw.make_drafter(method, 1, 64, **tree_options(method, 2, heads)).branches == 2

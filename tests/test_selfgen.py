@@ -12,7 +12,7 @@ from draftwise.drafters.eagle import EagleDrafter
 from draftwise.errors import InvalidParameterError
 from draftwise.heads import load_heads
 from draftwise.sampling import SamplingParams
-from draftwise.selfgen import generate_features, seed_prompts
+from draftwise.selfgen import SOFT_K, feature_taps, generate_features, seed_prompts
 from draftwise.train_head import corpus_files, gather_features, train_eagle
 from tests.test_decode import run
 
@@ -59,12 +59,16 @@ def test_records_are_the_targets_greedy_answers(tiny_target, rows):
     forward over the record at every position (prompt positions included), hidden states its final states."""
     tok = ByteTokenizer()
     record = 48
-    hidden, labels, tokens, valid = generate_features(
-        tiny_target, tok, seconds=60, max_positions=7 * record, record=record, rows=rows,
-        prompts=((p, False) for p in itertools.cycle(PROMPTS)))
+    f = generate_features(tiny_target, tok, seconds=60, max_positions=7 * record, record=record, rows=rows,
+                          prompts=((p, False) for p in itertools.cycle(PROMPTS)))
+    hidden, labels, tokens, valid = f["hidden"], f["labels"], f["tokens"], f["valid"]
+    taps = feature_taps(tiny_target.config.num_layers)
+    assert f["taps"].shape == (hidden.shape[0], len(taps), hidden.shape[1])
+    assert f["soft_ids"].shape == f["soft_logp"].shape == (hidden.shape[0], SOFT_K)
     seen = set()
     recs = list(_records(hidden, labels, tokens, valid, record))
     for k, (toks, labs, hid) in enumerate(recs):
+        s = slice(k * record, k * record + len(toks))
         prompt = next(p for p in PROMPTS if toks[:len(tok.encode(p))].tolist() == tok.encode(p))
         P = len(tok.encode(prompt))
         seen.add(prompt)
@@ -75,9 +79,13 @@ def test_records_are_the_targets_greedy_answers(tiny_target, rows):
         assert toks[P:].tolist() == ref[:L - P]
         assert labs[P - 1:-1].tolist() == toks[P:].tolist()  # along the answer: label t is token t+1
         cache = tiny_target.new_cache(1, record + 1)
-        out = tiny_target.forward(toks[None], cache.view(slice(0, 1)), logits_for="all")
+        out = tiny_target.forward(toks[None], cache.view(slice(0, 1)), logits_for="all", taps=taps)
         assert out.logits[0].argmax(-1).tolist() == labs.tolist()
         torch.testing.assert_close(hid.float(), out.hidden[0].float(), atol=1e-2, rtol=1e-2)  # bf16 records
+        torch.testing.assert_close(f["taps"][s].float(), out.taps[0].float(), atol=2e-2, rtol=1e-2)
+        top = torch.log_softmax(out.logits[0], -1).topk(SOFT_K, -1)
+        assert (f["soft_ids"][s][:, 0].long() == labs).all()  # the greedy token heads the top-k
+        torch.testing.assert_close(f["soft_logp"][s].float(), top.values, atol=1e-2, rtol=1e-2)
     assert len(seen) >= 4
 
 
@@ -87,10 +95,9 @@ def test_records_stop_at_end_of_sequence(tiny_target):
     ref = run(tiny_target, None, [prompt], SamplingParams(max_tokens=20))[0].output_ids
     eos = ref[5]
     first = ref.index(eos)
-    hidden, labels, tokens, valid = generate_features(
-        tiny_target, ByteTokenizer([eos]), seconds=60, max_positions=40, record=48, rows=2,
-        prompts=itertools.repeat((PROMPTS[0], False)))
-    toks, labs, _ = next(_records(hidden, labels, tokens, valid, 48))
+    f = generate_features(tiny_target, ByteTokenizer([eos]), seconds=60, max_positions=40, record=48, rows=2,
+                          prompts=itertools.repeat((PROMPTS[0], False)))
+    toks, labs, _ = next(_records(f["hidden"], f["labels"], f["tokens"], f["valid"], 48))
     P = len(prompt)
     assert len(toks) == P + first and toks[P:].tolist() == ref[:first]  # the answer up to its end ...
     assert labs[-1] == eos  # ... whose last label is the end of sequence
@@ -114,6 +121,7 @@ def test_gather_features_mixes_whole_records(tiny_target, tmp_path):
     f = gather_features(tiny_target, ByteTokenizer(), ["self", str(tmp_path)], seconds=6, max_positions=20 * 256)
     n = f["hidden"].shape[0]
     assert n % 256 == 0 and f["labels"].shape == f["tokens"].shape == f["valid"].shape == (n,)
+    assert f["taps"].shape[0] == f["soft_ids"].shape[0] == f["soft_logp"].shape[0] == n
     lens = f["valid"].view(-1, 256).sum(1)  # (records,)
     text = bytes(ByteTokenizer().encode(tmp_path.joinpath("a.py").read_text()))
     from_text = torch.tensor([bytes(r[:32].tolist()) in text for r in f["tokens"].view(-1, 256)])

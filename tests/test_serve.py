@@ -165,14 +165,19 @@ def test_memory_budget_sets_rows(tiny_dw):
         Engine(tiny_dw, EngineConfig(max_model_len=100, kv_cache_mb=0.001))
 
 
-@pytest.mark.parametrize("served", ["draft", "draft-tree", "pld-tree", "auto"])
-def test_concurrent_requests_never_mix(tiny_dw, served):
+@pytest.mark.parametrize("served", ["draft", "draft-tree", "pld-tree", "auto", "eagle"])
+def test_concurrent_requests_never_mix(tiny_dw, served, hf_folder, tmp_path):
     """Many different prompts with different lengths, methods and γ caps through a 4-row engine (most
     wait in the queue, join as rows free up): each output is what the prompt gives alone — chains and
-    token trees of different sizes in one batch."""
+    token trees of different sizes in one batch (eagle: a head reading the target's inner layers)."""
+    from tests.test_bench import tiny_heads
+
     rng = random.Random(1)
+    opts = {"branches": 2} if "tree" in served else {}
+    if served == "eagle":
+        opts = {"branches": 2, "heads": tiny_heads(hf_folder, tmp_path / "heads", noise=0.05)}
     engine = Engine(tiny_dw, EngineConfig(method=served, gamma=3, max_model_len=120, max_batch=4, max_queue=64,
-                                          drafter_options={"branches": 2} if "tree" in served else {}))
+                                          drafter_options=opts))
     engine.start()
     try:
         jobs, sinks = [], []
@@ -197,7 +202,7 @@ def test_concurrent_requests_never_mix(tiny_dw, served):
         drafted = [s.stats.drafted for _, _, s in jobs]
         assert drafted[1::4] == [0] * 6 and sum(drafted) > 0  # "ar" requests drafted nothing
         ragged = {s.stats.acceptance_rate for _, _, s in jobs if s.stats.drafted}
-        assert len(ragged) > 1 or served in ("pld-tree", "auto")  # rows accepted different numbers of drafts
+        assert len(ragged) > 1 or served in ("pld-tree", "auto", "eagle")  # rows accepted different numbers of drafts
         assert engine.snapshot()["running"] == 0 and engine.snapshot()["requests"] == 0
     finally:
         engine.stop()

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import torch
 
-from ..api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, HEAD_METHODS, METHODS, TREE_WIDTH, tree_options
+from ..api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, HEAD_METHODS, METHODS, tree_options, tree_width_help
 from ..errors import InvalidParameterError
 from . import report
 from .llama_peers import LLAMA_PEERS, LlamaPeers, context_size, require_llama_cpp
 from .peers import PEERS
 from .prompts import Prompt, load_prompts
-from ..drafters.suffix import MAX_NODES as SUFFIX_NODES
 from ..serve.cli import lookahead_help, lookahead_spec, positive_int
 from .roofline import measure_bandwidth, roofline
 
@@ -332,8 +331,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the per-method peak RSS / load time measurement (a fresh process per method)")
     p.add_argument("--num-beams", type=int, default=4, help="beams of method beam (default 4)")
     p.add_argument("--tree-width", type=positive_int, default=None,
-                   help=f"branches of the *-tree methods' token trees (default {TREE_WIDTH}); suffix: nodes "
-                        f"of its tree (default {SUFFIX_NODES})")
+                   help=tree_width_help())
     p.add_argument("--lookahead", type=lookahead_spec, default=None, metavar="W,N,G", help=lookahead_help())
     p.add_argument("--length-penalty", type=float, default=1.0, help="length penalty of method beam (default 1.0)")
     p.add_argument("--out", default="bench-out", help="output folder (default bench-out)")

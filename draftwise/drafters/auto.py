@@ -9,9 +9,11 @@ Children are ordinary drafters behind the same protocol, of two kinds:
   against the tokens the target really emitted (a deterministic draft token x is accepted with probability
   p(x), the chance that the target's own token is x: matching the emitted tokens is an unbiased estimate,
   greedy or sampled). So the free children's acceptance is measured at every step at no cost.
-- **costly** (a draft model): a proposal costs forwards of another model, so it is only made when chosen.
-  Its acceptance is measured when it runs; before that an optimistic prior (and the pooled estimate from
-  earlier requests) lets it be tried. Started lazily: its cache is filled the first time it is chosen.
+- **costly** (a draft model, a draft head): a proposal costs forwards of another model, so it is only
+  made when chosen. Its acceptance is measured when it runs; before that an optimistic prior (and the
+  pooled estimate from earlier requests) lets it be tried. A draft model starts lazily (its cache is
+  filled the first time it is chosen); a draft head (``reads_hidden``) at once, as its context is the
+  target's states the loop gives at the prefill.
 
 The choice, per sequence and step, over options o = (child, depth j) and "none":
 
@@ -112,6 +114,9 @@ class AutoDrafter:
                  max_nodes: int = 31):
         if not children:
             raise InvalidParameterError("method 'auto' needs at least one drafter to choose from")
+        taps = {tuple(getattr(c, "feature_taps", ()) or ()) for c in children.values()} - {()}
+        if len(taps) > 1:
+            raise InvalidParameterError(f"auto's children read different inner layers of the target: {sorted(taps)}")
         self.children = children
         self.pass_cost = pass_cost
         self.draft_cost = dict(draft_cost or {})
@@ -126,6 +131,14 @@ class AutoDrafter:
         self.chosen: dict[str, int] = {NONE: 0, **{n: 0 for n in children}}  # steps per choice
 
     # ---- child plumbing ------------------------------------------------------------------------
+    @property
+    def wants_prompt_hidden(self) -> bool:  # a child whose context is every prompt position's state (eagle)
+        return any(getattr(c, "wants_prompt_hidden", False) for c in self.children.values())
+
+    @property
+    def feature_taps(self) -> tuple[int, ...]:  # the target's inner layers a child reads (a fused eagle head)
+        return max((tuple(getattr(c, "feature_taps", ()) or ()) for c in self.children.values()), key=len)
+
     @contextlib.contextmanager
     def _as(self, seqs: list[Sequence], name: str):
         """Swap each sequence's state for child ``name`` into ``seq.drafter_state`` (and back)."""
@@ -140,8 +153,11 @@ class AutoDrafter:
                 s.drafter_state = st
 
     def _start_child(self, seq: Sequence, name: str, hidden: torch.Tensor | None) -> None:
+        child = self.children[name]
+        if hidden is not None and not getattr(child, "wants_prompt_hidden", False):
+            hidden = hidden[-1:]  # (1, D'): the last prompt position's, as the loop gives such a drafter
         with self._as([seq], name):
-            self.children[name].start(seq, hidden=hidden)
+            child.start(seq, hidden=hidden)
         seq.drafter_state.started.add(name)
 
     def _prior(self, name: str) -> Arm:
@@ -152,8 +168,9 @@ class AutoDrafter:
     # ---- protocol -------------------------------------------------------------------------------
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
         seq.drafter_state = _State(arms={n: self._prior(n) for n in self.children})
-        for name in self.free:  # costly children start the first time they are chosen
-            self._start_child(seq, name, hidden)
+        for name in self.children:  # a costly child starts the first time it is chosen, unless its state
+            if name in self.free or getattr(self.children[name], "reads_hidden", False):  # is the target's
+                self._start_child(seq, name, hidden)  # states (a draft head: given here, not later)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         proposals: dict[str, list[Draft]] = {}

@@ -3,7 +3,9 @@ knows nothing else about them.
 
 - ``start(seq, *, hidden)``: a sequence was prefilled; set up its per-sequence state (``seq.drafter_state``).
   ``hidden`` (1, D) is the target's final hidden state at the last prompt token (draft heads read it);
-  a drafter with ``wants_prompt_hidden = True`` gets (P, D), every prompt position's (eagle's context).
+  a drafter with ``wants_prompt_hidden = True`` gets (P, D), every prompt position's (eagle's context);
+  one with ``feature_taps`` (decoder layer indices) gets those layers' outputs after the final state,
+  (.., D * (1 + len(feature_taps))), here and in ``accept`` (an EAGLE-3 head's fused features).
 - ``propose(seqs, ks)``: a draft for each sequence, at most ``ks[i]`` tokens deep (fewer is fine, 0 is
   fine): a chain of tokens, or a token tree (``Draft.parents``) verified in the same single target pass.
 - ``accept(seq, n_before, num_accepted, target_logits, *, path, hidden)``: the sequence grew from

@@ -55,11 +55,20 @@ class _EagleState:
 class EagleDrafter(StatelessDrafter):
     name = "eagle"
     wants_prompt_hidden = True  # start() gets the target's state at every prompt position (the head's context)
+    reads_hidden = True  # its state is the target's hidden states (auto starts it with the others)
 
     def __init__(self, head: EagleHead, embed, branches: int = 1):
         if not isinstance(branches, int) or branches < 1:
             raise InvalidParameterError(f"branches must be an integer >= 1, got {branches!r}")
         self.head, self.embed, self.branches = head, embed, branches
+        self.feature_taps = head.taps  # the target's inner layers the head reads (the decode loop gives them)
+
+    def _split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(R, D * (1 + taps)) target states -> final features (R, D), taps (R, taps, D) or None."""
+        D = self.head.cfg.hidden_size
+        if not self.head.taps:
+            return h[:, :D], None
+        return h[:, :D], h[:, D:].reshape(h.shape[0], len(self.head.taps), D)
 
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
         if hidden is None:
@@ -82,10 +91,10 @@ class EagleDrafter(StatelessDrafter):
         L = len(seq.tokens)
         # 1. catch up: head positions first+n .. L-2 (true inputs), the root last
         j0 = st.first + st.n
-        feat = torch.cat(st.pending)  # (R, D)
+        feat, taps = self._split(torch.cat(st.pending))  # (R, D), (R, taps, D) or None
         R = feat.shape[0]
         assert j0 + R == L - 1, (j0, R, L)
-        g = head.inputs(feat, self._emb(seq.tokens[j0 + 1:L]))[None]  # (1, R, D)
+        g = head.inputs(feat, self._emb(seq.tokens[j0 + 1:L]), taps)[None]  # (1, R, D)
         q, kk, vv = head.qkv_rope(g, torch.arange(j0, L - 1)[None])
         S = st.n
         mask = torch.cat([torch.ones(R, S, dtype=torch.bool), torch.ones(R, R, dtype=torch.bool).tril()], 1)

@@ -19,6 +19,7 @@ from .base import Draft, StatelessDrafter
 
 class MedusaDrafter(StatelessDrafter):
     name = "medusa"
+    reads_hidden = True  # its state is the target's hidden state (auto starts it with the others)
 
     def __init__(self, heads: MedusaHeads, branches: int = 3):
         if not isinstance(branches, int) or branches < 1:
@@ -28,7 +29,8 @@ class MedusaDrafter(StatelessDrafter):
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
         if hidden is None:
             raise InvalidParameterError("medusa heads need the target's hidden states (a native-backend target)")
-        seq.drafter_state = hidden.reshape(1, -1).float()
+        D = self.heads.cfg.hidden_size  # the final state (beside it, inner layers another drafter reads)
+        seq.drafter_state = hidden.reshape(-1, hidden.shape[-1])[-1:, :D].float()
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -45,4 +47,4 @@ class MedusaDrafter(StatelessDrafter):
 
     def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,
                path: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
-        seq.drafter_state = hidden[-1:].float()  # the row that produced the token just emitted
+        seq.drafter_state = hidden[-1:, :self.heads.cfg.hidden_size].float()  # the row that produced the last token

@@ -44,6 +44,9 @@ class ModelConfig:
 class ModelOutput:
     logits: torch.Tensor  # (B, T', V) float32, T' = T, or 1 (logits_for="last" or per-row positions)
     hidden: torch.Tensor  # (B, T', D) final hidden states (after the last norm), same positions
+    # (B, T, len(taps), D) the residual stream after the decoder layers named by forward(taps=...), at
+    # every position (EAGLE-3's low- and mid-level features for a draft head); None when none were asked
+    taps: torch.Tensor | None = None
 
 
 LogitsFor = Literal["all", "last"] | torch.Tensor  # or (B,) int64: one position per row

@@ -180,6 +180,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     supports_trees = True  # forward takes a tree attn_mask; its nodes get the bits decoding their paths gives
+    supports_taps = True  # forward(taps=...) returns inner layers' outputs (an EAGLE-3 head's features)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -207,13 +208,16 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all",
-                layers: tuple[int, ...] | None = None, all_hidden: bool = False) -> ModelOutput:
+                layers: tuple[int, ...] | None = None, all_hidden: bool = False,
+                taps: tuple[int, ...] = ()) -> ModelOutput:
         # input_ids: (B, T) new tokens of cache rows 0..B-1; attn_mask: (B, T, T) bool or None (causal)
         # all_hidden: ModelOutput.hidden holds every position's final state (B, T, D), whatever logits_for
         # says (a draft head's context after the prefill: drafters/eagle.py); the logits are unchanged
         # layers: indices of the decoder layers to run, increasing (None: all). A skipped layer passes the
         # hidden state through unchanged and its cache entries are not written (layer-skip drafting:
         # drafters/layerskip.py); the final norm and LM head always run.
+        # taps: decoder layer indices whose output (the residual stream, every position) is returned in
+        # ModelOutput.taps (B, T, len(taps), D): a draft head's low/mid-level features (EAGLE-3)
         B, T = input_ids.shape
         start = cache.lengths[:B].tolist()
         if max(start) + T > cache.capacity:
@@ -223,11 +227,14 @@ class Transformer(nn.Module):
         cos, sin = self.rotary.tables(positions, self.dtype)
         tree = TreeMask(attn_mask) if attn_mask is not None else None
         h = self.embed(input_ids)  # (B, T, D)
+        tapped: dict[int, torch.Tensor] = {}
         with bulk(T > EXACT_MAX_T):  # a long prefill: GEMM path (never compared token for token)
             for i in range(len(self.layers)) if layers is None else layers:
                 layer = self.layers[i]
                 h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree)
                 h = h + layer.mlp(layer.mlp_norm(h))
+                if i in taps:
+                    tapped[i] = h
         cache.lengths[:B] += T
         every = self.norm(h) if all_hidden else None  # (B, T, D)
         if isinstance(logits_for, torch.Tensor):  # one position per row
@@ -235,7 +242,8 @@ class Transformer(nn.Module):
         elif logits_for == "last":
             h = h[:, -1:]
         h = self.norm(h)  # (B, T', D)
-        return ModelOutput(logits=self.lm_head(h).float(), hidden=h if every is None else every)
+        tap = torch.stack([tapped[i] for i in taps], 2) if taps else None  # (B, T, len(taps), D)
+        return ModelOutput(logits=self.lm_head(h).float(), hidden=h if every is None else every, taps=tap)
 
 
 class Concat(nn.Module):

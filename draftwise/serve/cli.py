@@ -11,8 +11,7 @@ import ipaddress
 import os
 import sys
 
-from ..api import TREE_WIDTH, tree_options
-from ..drafters.suffix import MAX_NODES as SUFFIX_NODES
+from ..api import tree_options, tree_width_help
 from ..errors import DraftwiseError, InvalidParameterError
 
 COMMANDS = ("serve", "bench-serve")
@@ -71,8 +70,7 @@ def _engine_args(p: argparse.ArgumentParser, methods) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a free row; more are refused with 503 (default 64)")
     p.add_argument("--tree-width", type=positive_int, default=None,
-                   help=f"branches of a *-tree method's token trees (default {TREE_WIDTH}); suffix: nodes of "
-                        f"its tree (default {SUFFIX_NODES})")
+                   help=tree_width_help())
     p.add_argument("--max-prefill-tokens", type=positive_int, default=2048,
                    help="prompt tokens prefilled between two decode steps (default 2048)")
     p.add_argument("--lookahead", type=lookahead_spec, default=None, metavar="W,N,G", help=lookahead_help())

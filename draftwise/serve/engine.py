@@ -172,6 +172,14 @@ class ServeDrafter:
     def wants_all_logits(self) -> bool:  # lookahead: the target's logits at every node fed
         return getattr(self.inner, "wants_all_logits", False)
 
+    @property
+    def wants_prompt_hidden(self) -> bool:  # eagle: the target's states at every prompt position
+        return getattr(self.inner, "wants_prompt_hidden", False)
+
+    @property
+    def feature_taps(self) -> tuple[int, ...]:  # eagle with fused features: the target's inner layers
+        return tuple(getattr(self.inner, "feature_taps", ()) or ())
+
     def accept(self, seq, n_before, num_accepted, target_logits, *, path=None, hidden=None, **every) -> None:
         if seq.attached:
             self.inner.accept(seq, n_before, num_accepted, target_logits, path=path, hidden=hidden, **every)
