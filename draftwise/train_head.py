@@ -13,8 +13,8 @@ Self-distillation in two phases within ``--minutes``:
      positions per second as writing), but text the target would not write.
 2. **Training** (cross-entropy over the draft vocabulary — the most frequent target predictions — half on
    the greedy token, half on the target's top-8 distribution), AdamW with a warm-up and a cosine decay
-   over the time left, with checkpoints every minute; held-out top-1 accuracy per head (medusa) or per drafted depth (eagle)
-   is written into the head's config.
+   over the time left, with checkpoints every minute; held-out top-1 accuracy per head (medusa) or per
+   drafted depth (eagle) is written into the head's config.
    - ``--kind medusa``: head k learns a_{t+k} from h_t.
    - ``--kind eagle``: over whole chunks, the layer learns f_{t+1} (smooth L1) and a_{t+1} from (f_t,
      x_{t+1}) and the tapped layers at t (EAGLE-3's fused features; ``--no-fuse``: f_t alone), at
@@ -280,7 +280,8 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
             heads = load_heads(out, target_sha)
             if heads.cfg.kind != kind or heads.cfg.vocab != cfg.vocab or heads.cfg.num_heads != num_heads \
                     or heads.cfg.arch.get("taps", []) != cfg.arch.get("taps", []):
-                raise InvalidParameterError(f"{out} holds heads of another kind or shape; use a new --out")
+                raise InvalidParameterError(f"{out} holds heads of another kind or shape (vocabulary, depths, fused "
+                                            f"layers: --no-fuse); use a new --out")
             log(f"train-head: resuming the heads in {out}")
         else:
             heads = new_head(cfg)

@@ -86,7 +86,7 @@ class BenchConfig:
     bandwidth_gib: float = 0.5  # 0: skip the roofline measurement
     footprint: bool = True  # peak RSS and load time per method, each in a fresh process
     num_beams: int = 4  # method "beam"
-    tree_width: int | None = None  # the *-tree methods' branches (None: TREE_WIDTH), suffix's nodes
+    tree_width: int | None = None  # the *-tree methods' branches (None: TREE_WIDTH; heads: head_width), suffix's nodes
     heads: str | None = None  # draft heads folder(s), comma-separated (methods medusa, eagle)
     lookahead: str | None = None  # method lookahead's "W,N,G" (None: its defaults)
     skip_layers: str | None = None  # method layerskip: the layers skipped (None: the calibrated set)
