@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -83,7 +83,7 @@ class MedusaHeads(nn.Module):
         """h: (N, D) target hidden states -> (K, N, Vd) draft-vocabulary logits."""
         return self.out(self.features(h))
 
-    # ---- inference: the output layer through the batch-invariant kernel, bf16 ------------------------
+    # ---- inference: the matrices through the kernel, int8 (drafting_linear) -------------------------
     def for_inference(self) -> "MedusaHeads":
         from .kernels import extension
 
@@ -185,8 +185,8 @@ class EagleHead(nn.Module):
         """Training-time test over whole sequences. feat: (B, C, D) the target's features f_j, emb: (B, C, D)
         embeddings of x_{j+1}, taps (B, C, len(self.taps), D) or None. Pass p (1-based) at position j reads
         pass p-1's prediction made at j-1 (pass 1: the true f_j and the taps) and attends to the true
-        positions <= j-p+1 and to its own path (pass q's row at j-p+q): what depth p sees when drafting. Returns each pass's predictions of f_{j+1}
-        (B, C, D); pass p is meaningful at j >= p-1."""
+        positions <= j-p+1 and to its own path (pass q's row at j-p+q): what depth p sees when drafting.
+        Returns each pass's predictions of f_{j+1} (B, C, D); pass p is meaningful at j >= p-1."""
         B, C, D = feat.shape
         pos = torch.arange(C).expand(B, C)
         j = torch.arange(C)[:, None]

@@ -308,4 +308,5 @@ def generate_features(model, tokenizer, seconds: float, max_positions: int, *, r
     return f
 
 
-__all__ = ["SOFT_K", "feature_taps", "generate_features", "soft_labels", "package_docs", "seed_prompts", "stdlib_sources"]
+__all__ = ["SOFT_K", "feature_taps", "generate_features", "package_docs", "seed_prompts", "soft_labels",
+           "stdlib_sources"]

@@ -117,6 +117,9 @@ class AutoDrafter:
         taps = {tuple(getattr(c, "feature_taps", ()) or ()) for c in children.values()} - {()}
         if len(taps) > 1:
             raise InvalidParameterError(f"auto's children read different inner layers of the target: {sorted(taps)}")
+        self.feature_taps = next(iter(taps), ())  # the target's inner layers a child reads (a fused eagle head)
+        # a child whose context is every prompt position's state (eagle): the loop gives them all
+        self.wants_prompt_hidden = any(getattr(c, "wants_prompt_hidden", False) for c in children.values())
         self.children = children
         self.pass_cost = pass_cost
         self.draft_cost = dict(draft_cost or {})
@@ -131,14 +134,6 @@ class AutoDrafter:
         self.chosen: dict[str, int] = {NONE: 0, **{n: 0 for n in children}}  # steps per choice
 
     # ---- child plumbing ------------------------------------------------------------------------
-    @property
-    def wants_prompt_hidden(self) -> bool:  # a child whose context is every prompt position's state (eagle)
-        return any(getattr(c, "wants_prompt_hidden", False) for c in self.children.values())
-
-    @property
-    def feature_taps(self) -> tuple[int, ...]:  # the target's inner layers a child reads (a fused eagle head)
-        return max((tuple(getattr(c, "feature_taps", ()) or ()) for c in self.children.values()), key=len)
-
     @contextlib.contextmanager
     def _as(self, seqs: list[Sequence], name: str):
         """Swap each sequence's state for child ``name`` into ``seq.drafter_state`` (and back)."""
@@ -168,9 +163,11 @@ class AutoDrafter:
     # ---- protocol -------------------------------------------------------------------------------
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
         seq.drafter_state = _State(arms={n: self._prior(n) for n in self.children})
-        for name in self.children:  # a costly child starts the first time it is chosen, unless its state
-            if name in self.free or getattr(self.children[name], "reads_hidden", False):  # is the target's
-                self._start_child(seq, name, hidden)  # states (a draft head: given here, not later)
+        # a costly child starts the first time it is chosen, unless its state is the target's states (a
+        # draft head): those are given here, not later
+        for name, child in self.children.items():
+            if name in self.free or getattr(child, "reads_hidden", False):
+                self._start_child(seq, name, hidden)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         proposals: dict[str, list[Draft]] = {}
