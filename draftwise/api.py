@@ -350,13 +350,16 @@ class SpeculativeDecoder:
 
     def pass_cost(self, tokens: int) -> float:
         """Seconds of a batch-1 target pass over ``tokens`` new tokens on this machine: measured once per
-        process at a few sizes (about two seconds for the 1.5B target), linear in between and beyond."""
-        sizes = AUTO_COST_SIZES
-        missing = [T for T in sizes if T not in self._target_costs]
+        process at a few sizes (about two seconds for the 1.5B target) and at any others measured for this
+        process (``prime``), made non-decreasing (timings are noisy), linear in between and beyond."""
+        missing = [T for T in AUTO_COST_SIZES if T not in self._target_costs]
         if missing:
             self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
                                                                          sizes=missing)))
-        pts = [(T, self._target_costs[T]) for T in sizes]
+        pts, top = [], 0.0
+        for T, c in sorted(self._target_costs.items()):
+            top = max(top, c)
+            pts.append((T, top))
         for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
             if tokens <= t1 or t1 == pts[-1][0]:
                 return max(c0 + (c1 - c0) * (tokens - t0) / (t1 - t0), pts[0][1])
@@ -390,8 +393,9 @@ class SpeculativeDecoder:
 
     def prime(self, policy: AdaptiveGamma, method: str) -> AdaptiveGamma:
         """Seed an adaptive policy's cost fit with this machine's measured step costs for ``method``:
-        a target pass over k + 1 tokens plus, for the draft model, k single-token draft passes. Measured
-        once per process (about two seconds for the 1.5B target)."""
+        a target pass over k + 1 tokens plus, for the draft model, k single-token draft passes; the fit
+        takes the measured pass costs as a feature (``AdaptiveGamma.set_pass_cost``). Measured once per
+        process (about two seconds for the 1.5B target)."""
         if method == "ar" or self.backend != "native" or self.is_encoder_decoder:
             return policy
         base, tree = drafter_kind(method)
@@ -401,6 +405,7 @@ class SpeculativeDecoder:
         if missing:
             self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
                                                                          sizes=missing)))
+        policy.set_pass_cost(self.pass_cost)  # the fit follows the measured shape of a pass's cost in T
         per_draft = 0.0
         if base == LAYERSKIP:
             per_draft = self.layerskip_plan().draft_ratio * self._target_costs[1]

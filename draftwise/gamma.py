@@ -5,18 +5,27 @@ drafter's work. Verification is nearly free while the target pass is bound by re
 (small B·(k+1)); once the batch is large it is bound by compute and every drafted token costs about as
 much as a generated one, so speculation stops paying. This policy measures that instead of guessing:
 
-    cost(B, k)   = θ · [1, B, k, B·k]  seconds — fitted online by decayed least squares on observed steps
-    tokens(B, k) = Σ_rows 1 + A(k_i)   expected tokens the step emits (the target's own token + accepted)
-    A(j)         = π · (α + α² + … + α^j)
+    cost(B, k)   = θ · [1, B, k, B·k, P(B·(k+1)) / P(1)]  seconds — fitted online by decayed least squares
+    tokens(B, k) = Σ_rows 1 + A_row(k_i)   expected tokens the step emits (the target's own token + accepted)
+    A_row(j)     = π_row · (α_row + α_row² + … + α_row^j)
     γ            = argmax_k tokens(B, k) / cost(B, k)
+
+P(T) is the measured cost of one target pass over T new tokens (``set_pass_cost``; the last feature is
+left out without it). A pass's cost is not linear in T: on an AVX2 CPU the int8 kernel hides the second
+token under the weight reads (1.1-1.2x one token) and pays for every token after it (1.5x for 3, 1.9x for
+4, measured on the Qwen 1.5B), and on AMX it stays flat to 32. A fit linear in k alone averages that out
+and over-prices k = 1 by a third there, refusing γ = 1 to drafters with α 0.2-0.5 for which it pays.
 
 k_i is k clipped to the row's cap and remaining budget. π is how often the drafter proposes anything
 when asked (1 for a draft model; prompt lookup and NASD find no match at times) and α the probability a
 draft position is accepted given the drafter proposed and all earlier positions were accepted: accepted
 / tried (accepted / drafted would undercount it for j > 1; a position left empty counts as a failed
 try). Both are decayed running estimates pooled over all rows and draft lengths, so they are usable
-after a few steps. Without π, a drafter whose proposals are all-or-nothing (a long, likely run or
-nothing) would look like one with a low α and never get to draft.
+after a few steps, and each row has its own (decayed faster, ``row_decay``), shrunk towards the pooled
+ones with the weight of ``row_weight`` tries: a request unlike the ones before it (prose after code) is
+judged by its own drafts within a few steps instead of the pool's memory of ~100 steps. Without π, a
+drafter whose proposals are all-or-nothing (a long, likely run or nothing) would look like one with a
+low α and never get to draft.
 
 Before any step is seen, ``prime`` feeds the fit with measured costs (``measure_forward_costs`` times
 the target over T = 1..γ+1 new tokens at load), so the first request already knows where verification
@@ -55,25 +64,27 @@ class AdaptiveGamma:
     """
 
     def __init__(self, max_gamma: int = 4, *, explore_every: int = 16, decay: float = 0.99,
-                 prior_alpha: float = 0.6, prior_weight: float = 4.0,
-                 cap: Callable[[Sequence], int | None] | None = None,
+                 prior_alpha: float = 0.6, prior_weight: float = 4.0, row_decay: float = 0.99,
+                 row_weight: float = 8.0, cap: Callable[[Sequence], int | None] | None = None,
                  ready: Callable[[list[Sequence]], bool] | None = None):
         if not isinstance(max_gamma, int) or max_gamma < 1:
             raise InvalidParameterError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
-        if not 0.0 < decay <= 1.0:
-            raise InvalidParameterError(f"decay must be in (0, 1], got {decay}")
+        for name, v in (("decay", decay), ("row_decay", row_decay)):
+            if not 0.0 < v <= 1.0:
+                raise InvalidParameterError(f"{name} must be in (0, 1], got {v}")
         self.max_gamma = max_gamma
         self.explore_every = explore_every
         self.decay = decay
         self.prior_weight = prior_weight
+        self.row_decay, self.row_weight = row_decay, row_weight
         self.cap, self.ready = cap, ready
-        # decayed least-squares sums for cost = θ·φ, φ = [1, B, k, B·k]
-        self._A = np.zeros((4, 4))  # Σ w φφᵀ
-        self._b = np.zeros(4)  # Σ w φ·seconds
-        self._n = 0.0  # Σ w
+        self._pass: Callable[[int], float] | None = None  # P(T): set_pass_cost
+        self._reset_fit()
         # decayed counts: α = accepted / tried, π = rows that got drafts / rows asked for drafts
         self._acc, self._tried = prior_alpha * prior_weight, prior_weight
         self._proposed, self._asked_rows = prior_weight, prior_weight
+        # the same counts per row of the current batch: id(seq) -> [seq, accepted, tried, proposed, asked]
+        self._rows: dict[int, list] = {}
         self._steps = 0
         self._explore_next = 0
         self._asked: list[tuple[Sequence, int, int]] = []  # (row, drafts asked, its drafted count before)
@@ -81,12 +92,33 @@ class AdaptiveGamma:
         self._prev_k = max_gamma  # γ of the step before the latest
         self.predicted = 0.0
 
+    def set_pass_cost(self, pass_cost: Callable[[int], float] | None) -> None:
+        """Fit step costs with the shape of ``pass_cost(T)`` (seconds of one target pass over T new tokens,
+        measured on this machine) as a feature, or without it (None). Starts the cost fit afresh: call it
+        before ``prime``."""
+        self._pass = pass_cost
+        self._pass1 = pass_cost(1) if pass_cost is not None else 1.0
+        if self._pass is not None and not self._pass1 > 0:
+            raise InvalidParameterError(f"pass_cost(1) must be > 0, got {self._pass1}")
+        self._reset_fit()
+
+    def _reset_fit(self) -> None:
+        d = 4 if self._pass is None else 5
+        # decayed least-squares sums for cost = θ·φ (_features)
+        self._A = np.zeros((d, d))  # Σ w φφᵀ
+        self._b = np.zeros(d)  # Σ w φ·seconds
+        self._n = 0.0  # Σ w
+
     # ---- GammaPolicy -----------------------------------------------------------------------------
     def choose(self, seqs: list[Sequence]) -> int:
         self._steps += 1
         B = len(seqs)
+        self._rows = {id(s): self._rows.get(id(s)) or [s, 0.0, 0.0, 0.0, 0.0] for s in seqs}  # the batch's rows
+        for s in seqs:
+            if self._rows[id(s)][0] is not s:  # an id reused by a new sequence
+                self._rows[id(s)] = [s, 0.0, 0.0, 0.0, 0.0]
         limits = [self._row_limit(s) for s in seqs]
-        accepted = self.accepted_by_length()
+        accepted = [self.accepted_by_length(s) for s in seqs]
         rates = [self._rate(B, k, limits, accepted) for k in range(self.max_gamma + 1)]
         k = self.best = int(np.argmax(rates))
         if self.ready is not None and not self.ready(seqs):  # the drafter cannot draft for this batch now
@@ -102,16 +134,21 @@ class AdaptiveGamma:
         return k
 
     def observe(self, k: int, accepted: list[int], step_s: float) -> None:
-        d = self.decay
+        d, rd = self.decay, self.row_decay
         d_acc = d_tried = d_asked = d_proposed = 0
         for (s, asked, drafted_before), a in zip(self._asked, accepted):
             if asked == 0:
                 continue
+            proposed = s.stats.drafted > drafted_before  # the drafter proposed something for this row
+            tried = a + (a < asked) if proposed else 0  # positions up to the first rejection (or missing draft)
             d_asked += 1
-            if s.stats.drafted > drafted_before:  # the drafter proposed something for this row
-                d_proposed += 1
-                d_acc += a
-                d_tried += a + (a < asked)  # positions up to the first rejection (or missing draft)
+            d_proposed += proposed
+            d_acc += a if proposed else 0
+            d_tried += tried
+            row = self._rows.get(id(s))
+            if row is not None and row[0] is s:
+                row[1:] = [rd * row[1] + (a if proposed else 0), rd * row[2] + tried, rd * row[3] + proposed,
+                           rd * row[4] + 1]
         self._acc, self._tried = d * self._acc + d_acc, d * self._tried + d_tried
         self._proposed, self._asked_rows = d * self._proposed + d_proposed, d * self._asked_rows + d_asked
         # A step that drafts right after steps that did not pays for the drafter catching up on every token
@@ -139,9 +176,20 @@ class AdaptiveGamma:
         """π: how often the drafter proposed at least one token when asked (prior-weighted at the start)."""
         return self._proposed / self._asked_rows if self._asked_rows > 0 else 1.0
 
-    def accepted_by_length(self) -> np.ndarray:
-        """A(j) = π·(α + … + α^j) for j = 0..max_gamma: expected drafts accepted when j are asked for."""
-        pi, alpha = self.proposal_rate, self.acceptance_rate
+    def row_rates(self, seq: Sequence) -> tuple[float, float]:
+        """(α, π) of one row of the current batch: its own decayed counts plus ``row_weight`` tries at the
+        pooled rates (the pooled rates for a row not seen yet)."""
+        row = self._rows.get(id(seq))
+        _, acc, tried, proposed, asked = row if row is not None and row[0] is seq else (seq, 0, 0, 0, 0)
+        w = self.row_weight
+        alpha = (w * self.acceptance_rate + acc) / (w + tried) if w + tried > 0 else self.acceptance_rate
+        pi = (w * self.proposal_rate + proposed) / (w + asked) if w + asked > 0 else self.proposal_rate
+        return alpha, pi
+
+    def accepted_by_length(self, seq: Sequence | None = None) -> np.ndarray:
+        """A(j) = π·(α + … + α^j) for j = 0..max_gamma: expected drafts accepted when j are asked for, at
+        the pooled rates, or at row ``seq``'s (``row_rates``)."""
+        alpha, pi = (self.acceptance_rate, self.proposal_rate) if seq is None else self.row_rates(seq)
         return np.array([pi * expected_accepted(j, alpha) for j in range(self.max_gamma + 1)])
 
     def cost(self, B: int, k: int) -> float:
@@ -149,14 +197,15 @@ class AdaptiveGamma:
         if self._n == 0:
             return 0.0
         # ridge on the slopes only, scaled to the data, keeps the fit defined while B or k never varied
-        reg = np.diag([0.0, 1.0, 1.0, 1.0]) * 1e-6 * max(np.trace(self._A), 1.0)
-        theta = np.linalg.solve(self._A + reg + np.eye(4) * 1e-12, self._b)
+        d = len(self._b)
+        reg = np.diag([0.0] + [1.0] * (d - 1)) * 1e-6 * max(np.trace(self._A), 1.0)
+        theta = np.linalg.solve(self._A + reg + np.eye(d) * 1e-12, self._b)
         floor = 0.1 * self._b[0] / self._A[0, 0]  # a tenth of the mean step: never zero or negative
         return max(float(theta @ self._features(B, k)), floor)
 
-    def _rate(self, B: int, k: int, limits: list[int], accepted: np.ndarray) -> float:
+    def _rate(self, B: int, k: int, limits: list[int], accepted: list[np.ndarray]) -> float:
         asked = [min(k, lim) for lim in limits]
-        tokens = sum(1.0 + accepted[j] for j in asked)
+        tokens = sum(1.0 + acc[j] for acc, j in zip(accepted, asked))
         if self._n == 0:  # nothing measured yet: assume verification is free (start by speculating)
             return tokens
         return tokens / self.cost(B, max(asked, default=0))
@@ -166,9 +215,11 @@ class AdaptiveGamma:
         c = self.cap(s) if self.cap is not None else None
         return max(0, lim if c is None else min(lim, c))
 
-    @staticmethod
-    def _features(B: int, k: int) -> np.ndarray:
-        return np.array([1.0, B, k, B * k], dtype=np.float64)
+    def _features(self, B: int, k: int) -> np.ndarray:
+        phi = [1.0, B, k, B * k]
+        if self._pass is not None:
+            phi.append(self._pass(B * (k + 1)) / self._pass1)
+        return np.array(phi, dtype=np.float64)
 
 
 @torch.inference_mode()
