@@ -235,6 +235,8 @@ class Decoder:
                 self._append(s, r.tokens, kinds)
                 if self.drafter is not None and not s.finished:
                     rows = [0] + [j + 1 for j in r.nodes]
+                    # a chain's path is rows 0..a: a view, not a copy of (a + 1) x V logits every step
+                    rows = slice(0, len(rows)) if rows == list(range(len(rows))) else rows
                     # a drafter that learns from every node it had fed, not only the accepted path (lookahead)
                     every = {"draft": d, "all_logits": logits[i, :1 + len(d.tokens)]} \
                         if getattr(self.drafter, "wants_all_logits", False) else {}
