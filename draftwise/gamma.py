@@ -21,8 +21,9 @@ when asked (1 for a draft model; prompt lookup and NASD find no match at times) 
 draft position is accepted given the drafter proposed and all earlier positions were accepted: accepted
 / tried (accepted / drafted would undercount it for j > 1; a position left empty counts as a failed
 try). Both are decayed running estimates pooled over all rows and draft lengths, so they are usable
-after a few steps, and each row has its own (decayed faster, ``row_decay``), shrunk towards the pooled
-ones with the weight of ``row_weight`` tries: a request unlike the ones before it (prose after code) is
+after a few steps, and each row has its own (decayed by ``row_decay`` at each step that asked it for
+drafts, not at every step as the pool is), shrunk towards the pooled ones with the weight of
+``row_weight`` tries: a request unlike the ones before it (prose after code) is
 judged by its own drafts within a few steps instead of the pool's memory of ~100 steps. Without π, a
 drafter whose proposals are all-or-nothing (a long, likely run or nothing) would look like one with a
 low α and never get to draft.
@@ -79,6 +80,7 @@ class AdaptiveGamma:
         self.row_decay, self.row_weight = row_decay, row_weight
         self.cap, self.ready = cap, ready
         self._pass: Callable[[int], float] | None = None  # P(T): set_pass_cost
+        self._pass1 = 1.0  # P(1)
         self._reset_fit()
         # decayed counts: α = accepted / tried, π = rows that got drafts / rows asked for drafts
         self._acc, self._tried = prior_alpha * prior_weight, prior_weight
@@ -113,10 +115,10 @@ class AdaptiveGamma:
     def choose(self, seqs: list[Sequence]) -> int:
         self._steps += 1
         B = len(seqs)
-        self._rows = {id(s): self._rows.get(id(s)) or [s, 0.0, 0.0, 0.0, 0.0] for s in seqs}  # the batch's rows
+        before, self._rows = self._rows, {}  # rows that left the batch are forgotten
         for s in seqs:
-            if self._rows[id(s)][0] is not s:  # an id reused by a new sequence
-                self._rows[id(s)] = [s, 0.0, 0.0, 0.0, 0.0]
+            row = before.get(id(s))
+            self._rows[id(s)] = row if row is not None and row[0] is s else [s, 0.0, 0.0, 0.0, 0.0]
         limits = [self._row_limit(s) for s in seqs]
         accepted = [self.accepted_by_length(s) for s in seqs]
         rates = [self._rate(B, k, limits, accepted) for k in range(self.max_gamma + 1)]
