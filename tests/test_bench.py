@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -11,11 +12,12 @@ import pytest
 import torch
 from torch import nn
 
+import draftwise
 from draftwise.api import METHODS
 from draftwise.bench import report
 from draftwise.bench.harness import BenchConfig, parse_gamma, parse_methods, run_bench
 from draftwise.bench.peers import PEERS
-from draftwise.bench.prompts import default_prompts_path, load_prompts, read_jsonl, select
+from draftwise.bench.prompts import SPEC_BENCH_SHA256, default_prompts_path, load_prompts, read_jsonl, select
 from draftwise.bench.roofline import measure_bandwidth, roofline, weight_bytes_per_token
 from draftwise.cli import main
 from draftwise.errors import InvalidParameterError
@@ -23,6 +25,7 @@ from draftwise.models.transformer import random_model
 
 from .conftest import TINY
 
+TASK_NAMES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 SHAPE_KEYS = {"tokens_per_s", "speedup_vs_ar", "acceptance_rate", "mean_accepted_length", "mismatches"}
 PNGS = ("speedup_by_category.png", "tau_alpha.png", "tokens_per_s.png")
 
@@ -69,9 +72,15 @@ def test_prompt_errors(prompts_file, tmp_path):
 
 
 def test_default_prompts_are_spec_bench():
+    """Spec-Bench ships inside the package, unchanged (pinned sha256), with its licence beside it."""
     path = default_prompts_path()
-    if path is None:
-        pytest.skip("no ../shared/data/spec_bench/question.jsonl here")
+    assert path.is_file() and path.is_relative_to(Path(draftwise.__file__).parent)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == SPEC_BENCH_SHA256
+    assert "Apache License" in (path.parent / "LICENSE").read_text()
+    assert "hemingkx/Spec-Bench" in (path.parent / "NOTICE.md").read_text()
+    used, ps = load_prompts(None)
+    assert used == path and len(ps) == 480
+    assert {c: sum(p.category == c for p in ps) for c in TASK_NAMES} == {c: 80 for c in TASK_NAMES}
     _, ps = load_prompts(None, ["mt_bench", "math_reasoning"], limit=2)
     assert [p.category for p in ps] == ["mt_bench"] * 2 + ["math_reasoning"] * 2
 
@@ -281,9 +290,9 @@ def test_cli_errors_are_one_line(argv, message, prompts_file, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_cli_end_to_end_smollm(tmp_path, prompts_file):
+def test_cli_end_to_end_smollm(tmp_path):
     """The real CLI on SmolLM2-135M: engine methods and an HF peer, all outputs written."""
-    prompts = ["--categories", "mt_bench"] if default_prompts_path() else ["--prompts", str(prompts_file)]
+    prompts = ["--categories", "mt_bench"]  # the shipped Spec-Bench
     out = tmp_path / "bench-out"
     rc = main(["bench", "--target", "smollm2-135m-instruct", "--draft", "smollm2-135m-instruct", *prompts,
                "--limit", "1", "--max-tokens", "16",

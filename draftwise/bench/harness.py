@@ -317,7 +317,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "llama.cpp peers (pip install -e '.[peers]') only by name")
     p.add_argument("--gamma", default="auto", help="draft tokens per step: an integer, or auto (default)")
     p.add_argument("--prompts", default=None, help="Spec-Bench-shaped JSONL (question_id, category, turns); "
-                                                   "default ../shared/data/spec_bench/question.jsonl")
+                                                   "default: Spec-Bench's 480 prompts, shipped with draftwise")
     p.add_argument("--categories", default=None, help="comma-separated categories (e.g. mt_bench,math_reasoning)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     p.add_argument("--max-tokens", type=int, default=128)

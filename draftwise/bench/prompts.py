@@ -16,7 +16,9 @@ from ..errors import InvalidParameterError
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 TASKS: dict[str, str] = {**{c: "mt_bench" for c in MT_BENCH},
                          **{t: t for t in ("translation", "summarization", "qa", "math_reasoning", "rag")}}
-DEFAULT_PROMPTS = Path("..") / "shared" / "data" / "spec_bench" / "question.jsonl"  # from the repo root
+# Spec-Bench's 480 prompts ship inside the package (Apache-2.0; LICENSE and NOTICE.md beside the file)
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "spec_bench" / "question.jsonl"
+SPEC_BENCH_SHA256 = "4b6d33e79484f9841c487ee87d1cf6aa8c6066f61d5d482ff09e5a007fafdf04"
 
 
 @dataclass(frozen=True)
@@ -27,13 +29,9 @@ class Prompt:
     text: str  # first turn
 
 
-def default_prompts_path() -> Path | None:
-    """``../shared/data/spec_bench/question.jsonl`` next to the package's repository, else the cwd's."""
-    repo = Path(__file__).resolve().parents[2]
-    for p in (repo / DEFAULT_PROMPTS, Path.cwd() / DEFAULT_PROMPTS):
-        if p.is_file():
-            return p.resolve()
-    return None
+def default_prompts_path() -> Path:
+    """Spec-Bench's ``question.jsonl``, shipped as package data (``draftwise/bench/data/spec_bench/``)."""
+    return DEFAULT_PROMPTS
 
 
 def read_jsonl(path: Path) -> list[Prompt]:
@@ -88,8 +86,8 @@ def load_prompts(path: str | Path | None, categories: list[str] | None = None,
                  limit: int | None = None) -> tuple[Path, list[Prompt]]:
     if path is None:
         path = default_prompts_path()
-        if path is None:
-            raise InvalidParameterError(f"no prompts file: {DEFAULT_PROMPTS} (relative to the repository) is "
-                                        "missing; give one with --prompts PATH")
+        if not path.is_file():  # only an install that dropped the package data
+            raise InvalidParameterError(f"the Spec-Bench prompts that ship with draftwise are missing ({path}); "
+                                        "reinstall draftwise, or give a prompts file with --prompts PATH")
     path = Path(path).expanduser()
     return path, select(read_jsonl(path), categories, limit)

@@ -17,6 +17,8 @@ import json
 import statistics
 from pathlib import Path
 
+from .prompts import SPEC_BENCH_SHA256
+
 REFERENCE, HF_REFERENCE, LLAMA_REFERENCE = "ar", "hf-ar", "llama-ar"
 NOT_COMPARED = ("beam",)  # another search than ar's (beam search): measured beside it, output not compared
 PEER_REFERENCES = {"hf-": HF_REFERENCE, "llama-": LLAMA_REFERENCE}  # a peer family's prefix → its plain decoding
@@ -150,6 +152,14 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def prompts_source(cfg: dict) -> str:
+    """Spec-Bench (the shipped file, recognised by its sha256), else the prompts file's name: a report names
+    no path of the machine it ran on."""
+    if cfg.get("prompts_sha256") == SPEC_BENCH_SHA256:
+        return "Spec-Bench"
+    return f"`{Path(cfg['prompts']).name}`"
+
+
 def markdown(results: dict) -> str:
     cfg, ms = results["config"], results["methods"]
     names = list(ms)
@@ -161,7 +171,7 @@ def markdown(results: dict) -> str:
              f"target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, γ={cfg['gamma']}, "
              f"max_tokens={cfg['max_tokens']}, "
              f"{'greedy' if not cfg['temperature'] else 'T=' + str(cfg['temperature'])}, "
-             f"chat={cfg['chat']}, {cfg['n_prompts']} prompts ({', '.join(cats)}) from `{cfg['prompts']}`, "
+             f"chat={cfg['chat']}, {cfg['n_prompts']} prompts ({', '.join(cats)}) from {prompts_source(cfg)}, "
              f"{cfg['threads']} threads, torch {cfg['versions']['torch']}, transformers "
              f"{cfg['versions']['transformers']}" + (f", llama-cpp-python {llama_v}" if llama_v else "")
              + ". Warm-up excluded; methods interleaved per prompt."
