@@ -66,7 +66,9 @@ def _skip_layers(s: str) -> str:
 
 
 def _sampling_args(p: argparse.ArgumentParser, methods=METHODS) -> None:
-    p.add_argument("--method", default="draft", choices=methods, help="drafting method (default draft)")
+    p.add_argument("--method", default="auto", choices=methods,
+                   help="drafting method (default auto: per request and step, the best of pld, nasd, suffix "
+                        "and the heads given by --heads, or none)")
     p.add_argument("--gamma", type=_gamma, default="auto",
                    help="draft tokens per step, or auto (default): chosen each step from the measured cost of "
                         "verifying k tokens and the running acceptance")

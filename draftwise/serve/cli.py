@@ -56,7 +56,7 @@ def _int_list(s: str) -> list[int]:
 
 
 def _engine_args(p: argparse.ArgumentParser, methods) -> None:
-    p.add_argument("--method", default="draft", choices=methods, help="drafting method (default draft); "
+    p.add_argument("--method", default="auto", choices=methods, help="drafting method (default auto); "
                    "requests may also ask for plain decoding ('ar')")
     p.add_argument("--gamma", type=positive_int, default=4, help="largest draft length (default 4)")
     p.add_argument("--gamma-policy", default="adaptive", choices=["adaptive", "fixed"],
