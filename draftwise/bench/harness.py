@@ -106,6 +106,39 @@ def _versions(llama: LlamaPeers | None = None) -> dict:
     return v
 
 
+def _provenance() -> dict:
+    """Where the numbers come from: the CPU's name and family (/proc/cpuinfo), the kernel paths used, and the
+    git commit of the checkout draftwise runs from (None for an installed wheel; "+dirty" with local edits)."""
+    import subprocess
+
+    from ..kernels import kernel_info
+
+    cpu: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "cpu family", "model", "CPU implementer", "CPU part"):
+                cpu[key.strip()] = value.strip()
+    except OSError:
+        pass
+    name = cpu.pop("model name", None) or platform.processor() or platform.machine()
+    info = kernel_info()
+    repo = Path(__file__).resolve().parents[2]
+    commit = None
+    if (repo / ".git").exists():
+        try:
+            git = ["git", "-C", str(repo)]
+            commit = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                                    timeout=10, check=True).stdout.strip()
+            dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, timeout=10).stdout.strip()
+            commit += "+dirty" if dirty else ""
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    return {"cpu": name, "cpu_id": "; ".join(f"{k} {v}" for k, v in cpu.items()), "isa": info["isa"],
+            "isa_multi_row": info.get("isa_multi_row"), "commit": commit}
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -290,7 +323,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
               "categories": report.categories_of(per_prompt), "n_prompts": len(per_prompt),
               "reference": report.REFERENCE, "outputs_checked": checked, "peers_checked": greedy, "interrupted": interrupted,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
-              "versions": _versions(runner.llama), "started": started,
+              "versions": _versions(runner.llama), **_provenance(), "started": started,
               "timing": "wall clock per generate call on pre-tokenized ids, prefill included; warm-up excluded; "
                         "methods interleaved per prompt, order rotated",
               "peers": runner.peer_settings()}

@@ -160,6 +160,54 @@ def prompts_source(cfg: dict) -> str:
     return f"`{Path(cfg['prompts']).name}`"
 
 
+SPEC_BENCH_TASKS = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
+
+
+def bench_command(cfg: dict) -> str:
+    """The ``draftwise bench`` command line that reproduces a run, from its recorded config: the options
+    that differ from their defaults; a prompts file and heads folders by their names only."""
+    import shlex
+
+    from ..api import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    a = ["draftwise", "bench"]
+
+    def opt(flag: str, value, default=None) -> None:
+        if value not in (None, default):
+            a.extend([flag, str(value)])
+
+    methods = list(cfg.get("methods", ()))
+    spec_bench = cfg.get("prompts_sha256") == SPEC_BENCH_SHA256
+    opt("--target", cfg.get("target"), DEFAULT_TARGET)
+    if any(m.split("-")[0] == "draft" or m == "hf-assisted" for m in methods):
+        opt("--draft", cfg.get("draft"), DEFAULT_DRAFT)
+    opt("--dtype", cfg.get("dtype"), "auto")
+    opt("--backend", cfg.get("backend"), "native")
+    if not spec_bench and cfg.get("prompts"):
+        opt("--prompts", Path(cfg["prompts"]).name)
+    if spec_bench and cfg.get("categories") and cfg["categories"] != SPEC_BENCH_TASKS:
+        opt("--categories", ",".join(cfg["categories"]))
+    opt("--limit", cfg.get("limit"))
+    opt("--max-tokens", cfg.get("max_tokens"), 128)
+    if cfg.get("chat"):
+        a.append("--chat")
+    opt("--temperature", cfg.get("temperature"), 0.0)
+    opt("--seed", cfg.get("seed"))
+    opt("--gamma", cfg.get("gamma"), "auto")
+    a.extend(["--methods", ",".join([REFERENCE, *(m for m in methods if m != REFERENCE)])])
+    if cfg.get("heads"):
+        opt("--heads", ",".join(Path(h).name for h in str(cfg["heads"]).split(",")))
+    opt("--tree-width", cfg.get("tree_width"))
+    opt("--lookahead", cfg.get("lookahead"))
+    if "beam" in methods:
+        opt("--num-beams", cfg.get("num_beams"), 4)
+        opt("--length-penalty", cfg.get("length_penalty"), 1.0)
+    if cfg.get("footprint") is False:
+        a.append("--no-footprint")
+    opt("--threads", cfg.get("threads"))
+    return shlex.join(a)
+
+
 def markdown(results: dict) -> str:
     cfg, ms = results["config"], results["methods"]
     names = list(ms)
@@ -175,6 +223,11 @@ def markdown(results: dict) -> str:
              f"{cfg['threads']} threads, torch {cfg['versions']['torch']}, transformers "
              f"{cfg['versions']['transformers']}" + (f", llama-cpp-python {llama_v}" if llama_v else "")
              + ". Warm-up excluded; methods interleaved per prompt."
+             + (f"\n\nCPU: {cfg['cpu']} (kernel path `{cfg.get('isa')}`"
+                + (f", `{cfg['isa_multi_row']}` for 3+ rows" if cfg.get("isa_multi_row") not in (None, cfg.get("isa"))
+                   else "") + f"); {str(cfg.get('started', ''))[:10]}"
+                + (f"; commit `{cfg['commit']}`" if cfg.get("commit") else "") + "." if cfg.get("cpu") else "")
+             + f"\n\n```bash\n{bench_command(cfg)}\n```"
              + ("\n\n**Interrupted**: only the prompts that finished are reported." if cfg.get("interrupted") else "")]
     head = ["method", "tok/s", "× ar", "median × ar"] + [h for r in refs for h in (f"× {r}", f"median × {r}")] + \
         ["α", "τ", "prefill", "draft", "verify", "other", "mismatches vs ar"] + \
@@ -319,6 +372,42 @@ def plot(results: dict, out: Path) -> list[Path]:
     files.append(out / "tokens_per_s.png")
     fig.savefig(files[-1], dpi=110)
     return files
+
+
+COMPARE_BASELINES = ("ar", "llama-ar", "llama-pld", "hf-pld")  # what a user would otherwise run
+
+
+def speedup_plot(runs: list[tuple[str, dict]], out: Path, baselines: tuple[str, ...] = COMPARE_BASELINES) -> Path:
+    """One panel per run (a CPU): for each draftwise method, its mean tok/s over each baseline's that ran
+    in the same run (the same prompts, interleaved), as grouped bars with the ratio written on them."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    if not runs:
+        raise ValueError("no runs to plot")
+    fig = Figure(figsize=(6.5 * len(runs), 4.4), layout="constrained")
+    axes = fig.subplots(1, len(runs), squeeze=False)[0]
+    for ax, (label, results) in zip(axes, runs):
+        ms = results["methods"]
+        methods = [m for m in ms if not is_peer(m) and m != REFERENCE]
+        bases = [b for b in baselines if b in ms and ms[b]["tokens_per_s"]]
+        w = 0.8 / max(1, len(bases))
+        x = np.arange(len(methods))
+        for i, b in enumerate(bases):
+            vals = [ms[m]["tokens_per_s"] / ms[b]["tokens_per_s"] for m in methods]
+            bars = ax.bar(x + (i - (len(bases) - 1) / 2) * w, vals, w, label=f"vs {b}", color=f"C{i}")
+            ax.bar_label(bars, fmt="%.2f", fontsize="x-small", padding=1)
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xticks(x, methods)
+        ax.set_ylabel("speed-up (ratio of mean tok/s)")
+        cfg = results["config"]
+        ax.set_title(f"{label}\n{cfg['target']}, {cfg['n_prompts']} Spec-Bench prompts, {cfg['max_tokens']} tokens"
+                     if cfg.get("prompts_sha256") == SPEC_BENCH_SHA256 else f"{label}\n{cfg['target']}",
+                     fontsize="medium")
+        ax.legend(fontsize="small", loc="upper left")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
 
 
 def write_outputs(results: dict, out: Path) -> list[Path]:
