@@ -5,7 +5,7 @@ at once, so each method is measured in a child that loads only what that method 
 first prompt once and reports its own peak resident set (``VmHWM``) and timings as one JSON line.
 llama.cpp peers run in a child that imports llama-cpp-python alone (``_llama_child.py``, no torch), so
 their number is llama.cpp's, not ours plus theirs. HF transformers peers are not measured (their fp32
-copies are a different order of memory; see the README).
+copies are a different order of memory; see docs/performance.md).
 
     python -m draftwise.bench.footprint own '{"target": ..., "method": "ar", "ids": [...], ...}'
 """
