@@ -113,7 +113,7 @@ def add_arguments(p) -> None:
     p.add_argument("--variants", default="gguf:int8,gguf:fp32,int4:int8,int8:int8,bf16",
                    help="comma-separated FORMAT[:ACTIVATIONS] to compare (activations int8 or fp32)")
     p.add_argument("--reference", default="fp32", help="the variant the others are compared with (default fp32)")
-    p.add_argument("--prompts", default=None, help="JSONL prompts (default: Spec-Bench beside the checkout)")
+    p.add_argument("--prompts", default=None, help="JSONL prompts (default: Spec-Bench, shipped with draftwise)")
     p.add_argument("--categories", default=None, help="comma-separated categories")
     p.add_argument("--limit", type=int, default=2, help="prompts per category (default 2)")
     p.add_argument("--max-tokens", type=int, default=64)
