@@ -20,11 +20,12 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import settings
 from ..errors import DownloadError, ModelNotFoundError
 
 
 def draftwise_home() -> Path:
-    return Path(os.environ.get("DRAFTWISE_HOME", Path.home() / ".cache" / "draftwise")).expanduser()
+    return settings.home()
 
 
 @dataclass(frozen=True)

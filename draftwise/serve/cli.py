@@ -11,6 +11,7 @@ import ipaddress
 import os
 import sys
 
+from .. import settings
 from ..api import tree_options, tree_width_help
 from ..errors import DraftwiseError, InvalidParameterError
 
@@ -82,7 +83,7 @@ def add_parsers(sub, model_args, methods) -> None:
     _engine_args(s, methods)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("DRAFTWISE_API_KEY"),
+    s.add_argument("--api-key", default=settings.api_key(),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DRAFTWISE_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -24,6 +24,8 @@ import os
 import sys
 import time
 
+from .. import settings
+
 APP_NAME = "draftwise"
 DEPLOYMENT = "draftwise"
 
@@ -116,7 +118,7 @@ def prepare_models(spec: dict) -> None:
     if uses_draft_model(spec["engine"]["method"]):
         names.append((spec["draft"], spec["draft_dtype"] or spec["dtype"]))
     for name, dtype in names:
-        keep = os.environ.get("DRAFTWISE_KEEP_CONVERTED", "1").strip() == "1"  # shared pages by default here
+        keep = settings.keep_converted(default=True)  # shared pages by default here
         load_model(name, dtype, spec["backend"], progress=True, keep_converted=keep)
 
 
