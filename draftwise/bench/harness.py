@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import os
 import platform
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, HEAD_METHODS, METHODS, tree_options, tree_width_help
+from ..digest import sha256_file
 from ..errors import InvalidParameterError
 from . import report
 from .llama_peers import LLAMA_PEERS, LlamaPeers, context_size, require_llama_cpp
@@ -104,10 +104,6 @@ def _versions(llama: LlamaPeers | None = None) -> dict:
     if llama is not None:
         v["llama_cpp"] = getattr(llama.llama_cpp, "__version__", None)
     return v
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class Runner:
@@ -286,7 +282,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
     if bw is not None:
         rf = roofline(runner.dw.target.model, bw["gb_per_s"], agg[report.REFERENCE]["tokens_per_s"])
         rf["bandwidth"] = bw
-    config = {**asdict(cfg), "prompts": str(path), "prompts_sha256": _sha256(path), "methods": methods,
+    config = {**asdict(cfg), "prompts": str(path), "prompts_sha256": sha256_file(path), "methods": methods,
               "categories": report.categories_of(per_prompt), "n_prompts": len(per_prompt),
               "reference": report.REFERENCE, "outputs_checked": checked, "peers_checked": greedy, "interrupted": interrupted,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.machine(),

@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from ..acceptance import Acceptance, expected_accepted
 from ..errors import InvalidParameterError
 from ..sequence import Sequence
 from .base import Draft, Drafter
@@ -47,34 +48,10 @@ NONE = "none"  # the option of drafting nothing this step (plain decoding)
 
 
 @dataclass
-class Arm:
-    """Decayed acceptance counts of one child: α = accepted / tried, π = proposed / asked."""
-
-    accepted: float
-    tried: float
-    proposed: float = 1.0
-    asked: float = 1.0
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.tried if self.tried > 0 else 0.0
-
-    @property
-    def pi(self) -> float:
-        return self.proposed / self.asked if self.asked > 0 else 1.0
-
-    def update(self, accepted: int, tried: int, proposed: bool, decay: float) -> None:
-        self.accepted = decay * self.accepted + accepted
-        self.tried = decay * self.tried + tried
-        self.proposed = decay * self.proposed + float(proposed)
-        self.asked = decay * self.asked + 1.0
-
-
-@dataclass
 class _State:
     states: dict[str, object] = field(default_factory=dict)  # child -> its drafter_state for this sequence
     started: set[str] = field(default_factory=set)
-    arms: dict[str, Arm] = field(default_factory=dict)
+    arms: dict[str, Acceptance] = field(default_factory=dict)
     proposals: dict[str, Draft] = field(default_factory=dict)  # this step's proposals, scored in accept
     chosen: str = NONE
 
@@ -94,10 +71,6 @@ def matched_depth(draft: Draft, emitted: list[int]) -> tuple[int, int]:
     return depth, depth
 
 
-def expected_accepted(alpha: float, j: int) -> float:
-    return sum(alpha ** i for i in range(1, j + 1))
-
-
 class AutoDrafter:
     """Chooses, per sequence and step, among ``children`` (name -> drafter) and drafting nothing.
 
@@ -109,7 +82,7 @@ class AutoDrafter:
     name = "auto"
 
     def __init__(self, children: dict[str, Drafter], pass_cost: Callable[[int], float], *,
-                 draft_cost: dict[str, float] | None = None, pooled: dict[str, Arm] | None = None,
+                 draft_cost: dict[str, float] | None = None, pooled: dict[str, Acceptance] | None = None,
                  decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 3.0,
                  max_nodes: int = 31):
         if not children:
@@ -155,10 +128,10 @@ class AutoDrafter:
             child.start(seq, hidden=hidden)
         seq.drafter_state.started.add(name)
 
-    def _prior(self, name: str) -> Arm:
+    def _prior(self, name: str) -> Acceptance:
         pooled = self.pooled.get(name)
         alpha = pooled.alpha if pooled is not None and pooled.tried > 0 else self.prior_alpha
-        return Arm(alpha * self.prior_weight, self.prior_weight)
+        return Acceptance(alpha * self.prior_weight, self.prior_weight, 1.0, 1.0)
 
     # ---- protocol -------------------------------------------------------------------------------
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import sys
 
 from .. import settings
