@@ -1,7 +1,9 @@
-"""The package's structure, read from its source: environment variables are read in settings.py only."""
+"""The package's structure, read from its source: which modules import which (the layers and no circles),
+and environment variables read in settings.py only."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -75,3 +77,37 @@ def test_kernel_switches(monkeypatch, var):
     assert not read()
     monkeypatch.setenv(var, "1")
     assert read()
+
+
+# ---- imports ---------------------------------------------------------------------------------------------
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the draftwise modules it imports, at the top or inside a function (a lazy import still
+    ties the two modules together)."""
+    mods = {_module(p): p for p in _sources()}
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+                deps.add(target)
+                deps |= {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods}
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def test_models_hf_and_seq2seq_import_no_circle():
+    g = import_graph()
+    assert "draftwise.models.hf" not in g["draftwise.models.seq2seq"]
+    assert "draftwise.models.hf_common" in g["draftwise.models.seq2seq"]
