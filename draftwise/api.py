@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .beam import beam_search
-from .decode import MAX_TREE_TOKENS, Decoder, FixedGamma, GammaPolicy
+from .decode import Decoder, FixedGamma, GammaPolicy
 from .gamma import AdaptiveGamma, measure_forward_costs
 from .drafters.base import Drafter
 from .drafters.cross_vocab import DRAFT_RATIO, CrossVocabDrafter, VocabBridge
@@ -26,7 +26,7 @@ from .drafters.pld import PromptLookupDrafter
 from .drafters.suffix import SuffixCache, SuffixDrafter
 from .errors import IncompatibleModelsError, InvalidParameterError
 from .models import LoadedModel, load_model
-from .models.base import is_encoder_decoder
+from .models.base import MAX_TREE_TOKENS, is_encoder_decoder
 from .sampling import SamplingParams
 from .sequence import GenerationStats, Sequence
 

@@ -12,7 +12,7 @@ Children are ordinary drafters behind the same protocol, of two kinds:
 - **costly** (a draft model, a draft head): a proposal costs forwards of another model, so it is only
   made when chosen. Its acceptance is measured when it runs; before that an optimistic prior (and the
   pooled estimate from earlier requests) lets it be tried. A draft model starts lazily (its cache is
-  filled the first time it is chosen); a draft head (``reads_hidden``) at once, as its context is the
+  filled the first time it is chosen); a draft head (``Needs.state_from_target``) at once, as its context is the
   target's states the loop gives at the prefill.
 
 The choice, per sequence and step, over options o = (child, depth j) and "none":
@@ -41,8 +41,9 @@ import torch
 
 from ..acceptance import Acceptance, expected_accepted
 from ..errors import InvalidParameterError
+from ..models.base import MAX_TREE_TOKENS
 from ..sequence import Sequence
-from .base import Draft, Drafter
+from .base import NO_NEEDS, Draft, Drafter, needs_of
 
 NONE = "none"  # the option of drafting nothing this step (plain decoding)
 
@@ -84,15 +85,17 @@ class AutoDrafter:
     def __init__(self, children: dict[str, Drafter], pass_cost: Callable[[int], float], *,
                  draft_cost: dict[str, float] | None = None, pooled: dict[str, Acceptance] | None = None,
                  decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 3.0,
-                 max_nodes: int = 31):
+                 max_nodes: int = MAX_TREE_TOKENS - 1):
         if not children:
             raise InvalidParameterError("method 'auto' needs at least one drafter to choose from")
-        taps = {tuple(getattr(c, "feature_taps", ()) or ()) for c in children.values()} - {()}
-        if len(taps) > 1:
-            raise InvalidParameterError(f"auto's children read different inner layers of the target: {sorted(taps)}")
-        self.feature_taps = next(iter(taps), ())  # the target's inner layers a child reads (a fused eagle head)
-        # a child whose context is every prompt position's state (eagle): the loop gives them all
-        self.wants_prompt_hidden = any(getattr(c, "wants_prompt_hidden", False) for c in children.values())
+        # what any child reads: the loop gives it to auto, which hands each child what it declared (the
+        # inner layers of a fused eagle head, every prompt position's state, the target's cache, ...)
+        self.needs = NO_NEEDS
+        for name, c in children.items():
+            try:
+                self.needs |= needs_of(c)
+            except InvalidParameterError as e:
+                raise InvalidParameterError(f"auto's children: {e}") from None
         self.children = children
         self.pass_cost = pass_cost
         self.draft_cost = dict(draft_cost or {})
@@ -122,7 +125,7 @@ class AutoDrafter:
 
     def _start_child(self, seq: Sequence, name: str, hidden: torch.Tensor | None) -> None:
         child = self.children[name]
-        if hidden is not None and not getattr(child, "wants_prompt_hidden", False):
+        if hidden is not None and not needs_of(child).prompt_hidden:
             hidden = hidden[-1:]  # (1, D'): the last prompt position's, as the loop gives such a drafter
         with self._as([seq], name):
             child.start(seq, hidden=hidden)
@@ -139,7 +142,7 @@ class AutoDrafter:
         # a costly child starts the first time it is chosen, unless its state is the target's states (a
         # draft head): those are given here, not later
         for name, child in self.children.items():
-            if name in self.free or getattr(child, "reads_hidden", False):
+            if name in self.free or needs_of(child).state_from_target:
                 self._start_child(seq, name, hidden)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -206,7 +209,8 @@ class AutoDrafter:
         return best
 
     def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,
-               path: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+               path: list[int] | None = None, hidden: torch.Tensor | None = None, draft: Draft | None = None,
+               all_logits: torch.Tensor | None = None) -> None:
         st: _State = seq.drafter_state
         emitted = seq.tokens[n_before:n_before + num_accepted + 1]
         for name, d in st.proposals.items():  # score every proposal (the chosen one's whole, untruncated
@@ -215,9 +219,13 @@ class AutoDrafter:
                 arm.update(acc, tried, bool(d.tokens), self.decay)
         st.proposals = {}
         for name in list(st.started):
+            chosen = name == st.chosen
+            # the draft as fed and the target's scores at its nodes: the chosen child's, if it asked for them
+            every = {"draft": draft, "all_logits": all_logits} \
+                if chosen and draft is not None and needs_of(self.children[name]).all_logits else {}
             with self._as([seq], name):
                 self.children[name].accept(seq, n_before, num_accepted, target_logits,
-                                           path=path if name == st.chosen else None, hidden=hidden)
+                                           path=path if chosen else None, hidden=hidden, **every)
 
     def release(self, seq: Sequence) -> None:
         st = seq.drafter_state
@@ -230,3 +238,9 @@ class AutoDrafter:
     def move_row(self, src: int, dst: int) -> None:
         for child in self.children.values():
             child.move_row(src, dst)
+
+    def bind_target_cache(self, cache) -> None:
+        """The decoder's target cache, for the children that draft in it (``Needs.target_cache``)."""
+        for child in self.children.values():
+            if needs_of(child).target_cache:
+                child.bind_target_cache(cache)

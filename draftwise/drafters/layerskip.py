@@ -44,7 +44,7 @@ import torch
 from ..errors import InvalidParameterError
 from ..sampling import logits_to_probs, sample, sample_at
 from ..sequence import Sequence
-from .base import Draft, StatelessDrafter
+from .base import Draft, Needs, StatelessDrafter
 
 CALIBRATION_VERSION = 1
 # (module, where its snippet starts): code and prose (docstrings, comments) the target continues itself
@@ -107,6 +107,7 @@ class LayerSkipDrafter(StatelessDrafter):
     """
 
     name = "layerskip"
+    needs = Needs(target_cache=True)  # drafts in the target's own KV cache (bind_target_cache)
 
     def __init__(self, model, skip: Iterable[int]):
         if not hasattr(model, "layers"):

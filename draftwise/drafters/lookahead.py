@@ -27,7 +27,7 @@ draft node — accepting along the chain or a column is as legal as along a pool
 target's argmax; sampling: one-hot q, the multi-branch rejection sampler of verify.py). Sizes: the comb
 is W(N-1)-1 nodes, the verification branch at most G(N-1).
 
-The drafter asks the loop for the target's logits at every fed node (``wants_all_logits``) and finds
+The drafter asks the loop for the target's logits at every fed node (``Needs.all_logits``) and finds
 each column's output by its path; a column the step did not feed (the loop asked for a shallower tree,
 or cut it to the rows' room) keeps its tokens.
 
@@ -52,12 +52,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
+from ..models.base import MAX_TREE_TOKENS
 from ..sequence import Sequence
-from .base import Draft, trie
+from .base import Draft, Needs, trie
 
 WINDOW, NGRAM, GUESSES = 1, 3, 1  # defaults: the smallest window with n-gram trajectories (see above)
 POOL_SIZE = 8  # continuations kept per first token
-MAX_NODES = 31  # a tree step feeds at most decode.MAX_TREE_TOKENS - 1 nodes
+MAX_NODES = MAX_TREE_TOKENS - 1  # a tree step feeds the root and at most this many nodes
 
 
 @dataclass
@@ -85,7 +86,7 @@ class LookaheadDrafter:
     """Lookahead decoding as a drafter: ``window`` W, ``ngram`` N (2..), ``guesses`` G n-grams verified."""
 
     name = "lookahead"
-    wants_all_logits = True  # accept() gets the target's logits at every fed node (``draft``, ``all_logits``)
+    needs = Needs(all_logits=True)  # accept() gets the target's logits at every fed node (``draft``, ``all_logits``)
 
     def __init__(self, window: int = WINDOW, ngram: int = NGRAM, guesses: int = GUESSES, *,
                  pool_size: int = POOL_SIZE, seed: int = 0):

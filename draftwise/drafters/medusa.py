@@ -14,12 +14,12 @@ import torch
 from ..errors import InvalidParameterError
 from ..heads import MedusaHeads, best_first_tree
 from ..sequence import Sequence
-from .base import Draft, StatelessDrafter
+from .base import Draft, Needs, StatelessDrafter
 
 
 class MedusaDrafter(StatelessDrafter):
     name = "medusa"
-    reads_hidden = True  # its state is the target's hidden state (auto starts it with the others)
+    needs = Needs(state_from_target=True)  # its state is the target's hidden state (auto starts it with the others)
 
     def __init__(self, heads: MedusaHeads, branches: int = 3):
         if not isinstance(branches, int) or branches < 1:

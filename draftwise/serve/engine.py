@@ -42,7 +42,7 @@ import torch
 
 from ..api import AUTO, LOOKAHEAD, METHODS, SpeculativeDecoder, output_text, uses_draft_model
 from ..decode import Decoder, FixedGamma, GammaPolicy
-from ..drafters.base import Draft, Drafter
+from ..drafters.base import Draft, Drafter, Needs, needs_of
 from ..errors import DraftwiseError, InvalidParameterError
 from ..gamma import AdaptiveGamma
 from ..sequence import Sequence
@@ -169,16 +169,8 @@ class ServeDrafter:
         return [Draft([]) for _ in seqs]
 
     @property
-    def wants_all_logits(self) -> bool:  # lookahead: the target's logits at every node fed
-        return getattr(self.inner, "wants_all_logits", False)
-
-    @property
-    def wants_prompt_hidden(self) -> bool:  # eagle: the target's states at every prompt position
-        return getattr(self.inner, "wants_prompt_hidden", False)
-
-    @property
-    def feature_taps(self) -> tuple[int, ...]:  # eagle with fused features: the target's inner layers
-        return tuple(getattr(self.inner, "feature_taps", ()) or ())
+    def needs(self) -> Needs:  # what the wrapped drafter reads (drafters/base.py): the loop gives it here
+        return needs_of(self.inner)
 
     def accept(self, seq, n_before, num_accepted, target_logits, *, path=None, hidden=None, **every) -> None:
         if seq.attached:
@@ -192,9 +184,8 @@ class ServeDrafter:
     def move_row(self, src: int, dst: int) -> None:
         self.inner.move_row(src, dst)
 
-    def bind_target_cache(self, cache) -> None:
-        if hasattr(self.inner, "bind_target_cache"):  # layerskip drafts in the target's own cache
-            self.inner.bind_target_cache(cache)
+    def bind_target_cache(self, cache) -> None:  # called when needs.target_cache (layerskip)
+        self.inner.bind_target_cache(cache)
 
 
 @dataclass
