@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,14 +15,13 @@ import torch
 
 from .beam import beam_search
 from .decode import Decoder, FixedGamma, GammaPolicy
-from .gamma import AdaptiveGamma, measure_forward_costs
+from .gamma import MAX_GAMMA, AdaptiveGamma, measure_forward_costs
+from .drafters import registry
 from .drafters.base import Drafter
-from .drafters.cross_vocab import DRAFT_RATIO, CrossVocabDrafter, VocabBridge
-from .drafters.draft_model import DraftModelDrafter, check_compatible
-from .drafters.lookahead import LookaheadDrafter, parse_lookahead
-from .drafters.nasd import NASDDrafter
-from .drafters.pld import PromptLookupDrafter
-from .drafters.suffix import SuffixCache, SuffixDrafter
+from .drafters.cross_vocab import DRAFT_RATIO, VocabBridge
+from .drafters.draft_model import check_compatible
+from .drafters.registry import TREE_SUFFIX, TREE_WIDTH
+from .drafters.suffix import SuffixCache
 from .errors import IncompatibleModelsError, InvalidParameterError
 from .models import LoadedModel, load_model
 from .models.base import MAX_TREE_TOKENS, is_encoder_decoder
@@ -32,18 +30,18 @@ from .sequence import GenerationStats, Sequence
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-METHODS = ("ar", "draft", "pld", "nasd", "draft-tree", "pld-tree", "nasd-tree", "suffix", "medusa", "eagle", "auto",
-           "layerskip", "lookahead")
 AUTO = "auto"  # per request and step, the drafter (or none) with the most expected tokens per second
-AUTO_CHILDREN = ("pld", "nasd", "suffix")  # what auto chooses among by default (drafter option "methods" changes it)
-HEAD_METHODS = ("medusa", "eagle")  # draft heads trained on the target (``draftwise train-head``), token trees
-TREE_SUFFIX = "-tree"  # the same drafter proposing a token tree (``branches`` > 1, default TREE_WIDTH)
-TREE_WIDTH = 3
-HEAD_TREE_COST = 1.3  # head methods draft trees by default where a 7-token pass costs at most this many 1-token ones
 SUFFIX = "suffix"  # SuffixDecoding: trees from this request and earlier ones (``SpeculativeDecoder.suffix_cache``)
 LAYERSKIP = "layerskip"  # the target drafts with a measured subset of its own layers (drafters/layerskip.py)
 LOOKAHEAD = "lookahead"  # Jacobi window + n-gram pool in the verifying pass (drafters/lookahead.py); sizes its own tree
-SEQ2SEQ_METHODS = ("ar", "draft", "pld", "nasd")  # an encoder-decoder target (T5, BART, Marian; backend hf)
+HEAD_TREE_COST = 1.3  # head methods draft trees by default where a 7-token pass costs at most this many 1-token ones
+# The built-in methods as registered (drafters/registry.py, the one table; read it there to see methods
+# registered later by other modules): these names are kept for the library's users.
+METHODS = registry.names()
+SEQ2SEQ_METHODS = registry.names(seq2seq=True)  # an encoder-decoder target (T5, BART, Marian; backend hf)
+HEAD_METHODS = tuple(n for n, m in registry.methods().items() if m.heads)  # trained draft heads, token trees
+AUTO_CHILDREN = tuple(n for n, m in registry.methods().items() if m.auto_child)  # auto's default choices
+tree_options = registry.drafter_options  # drafter options from --tree-width / --heads / --lookahead
 
 
 def drafter_kind(method: str) -> tuple[str, bool]:
@@ -52,7 +50,9 @@ def drafter_kind(method: str) -> tuple[str, bool]:
 
 
 def uses_draft_model(method: str) -> bool:
-    return drafter_kind(method)[0] == "draft"
+    """Whether ``method`` drafts with the draft model (so the draft model is loaded for it)."""
+    m = registry.find(method)
+    return m is not None and m.draft_model
 
 
 def tree_width_help() -> str:
@@ -64,22 +64,8 @@ def tree_width_help() -> str:
             f"token, else 1, a chain); suffix: nodes of its tree (default {MAX_NODES})")
 
 
-def tree_options(method: str, width: int | None, heads: str | None = None, lookahead: str | None = None) -> dict:
-    """drafter options from ``--tree-width`` (None: the method's default) and ``--heads``: a tree method's
-    branches (default TREE_WIDTH), suffix's node budget (default suffix.MAX_NODES), a head method's heads;
-    from ``--lookahead W,N,G``: method lookahead's window, n-gram size and n-grams verified."""
-    if method == LOOKAHEAD:
-        return parse_lookahead(lookahead) if lookahead is not None else {}
-    if method == SUFFIX:
-        return {"max_nodes": width} if width is not None else {}
-    opts: dict = {"branches": width or TREE_WIDTH} if method.endswith(TREE_SUFFIX) else {}
-    if method in HEAD_METHODS and width:  # else the machine's (SpeculativeDecoder.head_width)
-        opts["branches"] = width
-    if (method in HEAD_METHODS or method == AUTO) and heads:  # auto: the heads join the drafters it picks from
-        opts["heads"] = heads
-    return opts
 BEAM = "beam"  # beam search: a baseline beside the lossless methods (another search, not ar's output)
-AUTO_MAX_GAMMA = 8  # the adaptive policy chooses γ in [0, 8] per step
+AUTO_MAX_GAMMA = MAX_GAMMA  # the adaptive policy chooses γ in [0, 8] per step
 AUTO_COST_SIZES = (1, 2, 3, 5, 9)  # target pass sizes measured for method auto's cost model
 
 
@@ -266,70 +252,17 @@ class SpeculativeDecoder:
         return self.tokenizer.encode(prompt)
 
     def make_drafter(self, method: str, rows: int, capacity: int, **opts) -> Drafter | None:
-        if method == "ar":
-            return None
-        if method == SUFFIX:  # option share=False: this request's own tokens only
-            return SuffixDrafter(self.suffix_cache if opts.pop("share", True) else None, **opts)
-        if method == LOOKAHEAD:
-            return LookaheadDrafter(**opts)
-        base, tree = drafter_kind(method)
-        if method not in HEAD_METHODS:  # a head method's default width is the machine's (head_width)
-            opts = {"branches": TREE_WIDTH if tree else 1, **opts}
-        if method in METHODS and base == "draft":
-            if self.bridge is not None:
-                return CrossVocabDrafter(self.draft.model, self.bridge, rows, capacity, **opts)
-            return DraftModelDrafter(self.draft.model, rows, capacity, **opts)
-        if method in METHODS and base == "pld":
-            return PromptLookupDrafter(**opts)
-        if method in METHODS and base == "nasd":
-            return NASDDrafter(**opts)
-        if method == LAYERSKIP:  # option skip_layers: instead of the plan's set
-            from .drafters.layerskip import LayerSkipDrafter
+        """The drafter of a registered method (None for "ar") for ``rows`` rows of ``capacity`` tokens;
+        ``opts`` are its drafter options (``tree_options``). A tree variant's branches default to TREE_WIDTH."""
+        m = registry.get(method)
+        if m.tree:
+            opts = {"branches": TREE_WIDTH, **opts}
+        return m.build(self, rows, capacity, **opts)
 
-            opts.pop("branches", None)  # a chain drafter
-            return LayerSkipDrafter(self.target.model, self.layerskip_plan(opts.pop("skip_layers", None)).skip, **opts)
-        if method == AUTO:
-            return self._auto_drafter(rows, capacity, **opts)
-        if method in HEAD_METHODS:
-            heads = opts.pop("heads", None)  # None: the target's default heads folder
-            opts["branches"] = opts.get("branches") or self.head_width()
-            if method == "eagle":
-                from .drafters.eagle import EagleDrafter
-
-                return EagleDrafter(self.heads(heads, "eagle"), self.target.model.embed, **opts)
-            from .drafters.medusa import MedusaDrafter
-
-            return MedusaDrafter(self.heads(heads, "medusa"), **opts)
-        raise InvalidParameterError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-
-    def _auto_drafter(self, rows: int, capacity: int, methods: list[str] | tuple[str, ...] | None = None,
-                      branches: int = 1, **opts) -> Drafter:
-        """The auto drafter over ``methods`` (default AUTO_CHILDREN: the drafters that cost no model
-        forwards, and the kinds of draft heads in option ``heads`` when it is given; "draft" may be named
-        when a draft model is set), priced by this machine's measured target pass costs (and the draft
-        model's or head's cost per drafted token). A head child drafts a chain."""
-        from .drafters.auto import AutoDrafter
-        from .heads import draft_seconds, pick_heads
-
-        heads = opts.pop("heads", None)
-        if methods is None:
-            names = [m for m in AUTO_CHILDREN if m in METHODS]
-            for kind in HEAD_METHODS if heads else ():
-                with contextlib.suppress(InvalidParameterError):
-                    pick_heads(heads, kind)
-                    names.append(kind)
-        else:
-            names = list(methods)
-        bad = [m for m in names if m not in METHODS or m in (AUTO, "ar") or m in HEAD_METHODS and not heads]
-        if bad or not names:
-            raise InvalidParameterError(f"method 'auto' chooses among drafting methods; cannot use {bad or names}")
-        children = {m: self.make_drafter(m, rows, capacity, **opts, **({"heads": heads, "branches": 1}
-                                                                       if m in HEAD_METHODS else {}))
-                    for m in names}
-        draft_cost = {m: self._per_draft_cost(m) for m in names if uses_draft_model(m)}
-        draft_cost.update({m: draft_seconds(children[m]) for m in names if m in HEAD_METHODS})
-        self.pass_cost(1)  # measured here (once per process), not inside the first decode step
-        return AutoDrafter(children, self.pass_cost, draft_cost=draft_cost, pooled=self._auto_arms)
+    @property
+    def auto_arms(self) -> dict:
+        """Method auto: each drafter's acceptance pooled over this decoder's requests (a new one's prior)."""
+        return self._auto_arms
 
     def head_width(self) -> int:
         """A head method's tree width when none is given: EAGLE-2's trees of TREE_WIDTH branches where this
@@ -341,7 +274,8 @@ class SpeculativeDecoder:
         flat = self.pass_cost(1 + 2 * TREE_WIDTH) <= HEAD_TREE_COST * self.pass_cost(1)
         return TREE_WIDTH if flat else 1
 
-    def _per_draft_cost(self, method: str) -> float:
+    def per_draft_cost(self, method: str) -> float:
+        """Seconds per token the draft model drafts for ``method`` (measured once per process)."""
         if self._draft_cost is None:
             self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0] \
                 if self.backend == "native" else 0.0
@@ -372,10 +306,9 @@ class SpeculativeDecoder:
         draws are position-keyed, so the text does not depend on the γ chosen (sampling.py)."""
         if isinstance(gamma, bool):
             raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
-        if method == AUTO and gamma == "auto":  # the auto drafter chooses each row's depth itself, up to γ
-            return FixedGamma(AUTO_MAX_GAMMA)
-        if method == LOOKAHEAD and gamma == "auto":  # W, N, G size the tree; the window must be fed every step
-            return FixedGamma(MAX_TREE_TOKENS - 1)
+        own = registry.get(method).own_gamma  # auto, lookahead: the drafter sizes its drafts, up to this
+        if own is not None and gamma == "auto":
+            return FixedGamma(own)
         if isinstance(gamma, int):
             return FixedGamma(gamma)
         if isinstance(gamma, str):
@@ -386,7 +319,7 @@ class SpeculativeDecoder:
             if method not in self._auto:
                 self._auto[method] = self.prime(AdaptiveGamma(AUTO_MAX_GAMMA), method)
             return self._auto[method]
-        if method == AUTO and isinstance(gamma, AdaptiveGamma):
+        if method == AUTO and isinstance(gamma, AdaptiveGamma):  # its own per-row choice is the policy
             raise InvalidParameterError("method 'auto' chooses its draft lengths itself: give gamma as an "
                                         "integer (the deepest draft) or 'auto'")
         return gamma
@@ -398,8 +331,8 @@ class SpeculativeDecoder:
         process (about two seconds for the 1.5B target)."""
         if method == "ar" or self.backend != "native" or self.is_encoder_decoder:
             return policy
-        base, tree = drafter_kind(method)
-        width = TREE_WIDTH if tree else self.head_width() if method in HEAD_METHODS else 1
+        m = registry.get(method)
+        width = TREE_WIDTH if m.tree else self.head_width() if m.heads else 1
         fed = [1 + min(k * width, MAX_TREE_TOKENS - 1) for k in range(policy.max_gamma + 1)]  # tokens per pass
         missing = sorted(set(fed) - set(self._target_costs))
         if missing:
@@ -407,14 +340,14 @@ class SpeculativeDecoder:
                                                                          sizes=missing)))
         policy.set_pass_cost(self.pass_cost)  # the fit follows the measured shape of a pass's cost in T
         per_draft = 0.0
-        if base == LAYERSKIP:
+        if m.name == LAYERSKIP:
             per_draft = self.layerskip_plan().draft_ratio * self._target_costs[1]
-        if base == "draft":
+        if m.draft_model:
             if self._draft_cost is None:
                 self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0]
             per_draft = self._draft_cost
         for k, T in enumerate(fed):
-            drafts = k + 1 if base == "draft" and self.bridge is not None and k else k  # text: k + 1 tokens
+            drafts = k + 1 if m.draft_model and self.bridge is not None and k else k  # text: k + 1 tokens
             policy.prime(1, k, self._target_costs[T] + drafts * per_draft)
         return policy
 
@@ -437,7 +370,7 @@ class SpeculativeDecoder:
                                     method, r.finish_reason, r.stats)
         source, eos = None, self.tokenizer.eos_ids
         if self.is_encoder_decoder:  # the text is the encoder's source; the decoder starts from its own prompt
-            if method not in SEQ2SEQ_METHODS:
+            if not registry.get(method).seq2seq:
                 raise InvalidParameterError(f"method {method!r} is not available for encoder-decoder models; "
                                             f"choose one of {', '.join(SEQ2SEQ_METHODS)}")
             source, ids, eos = ids, list(self.target.model.decoder_prompt), eos | self.target.model.eos_ids

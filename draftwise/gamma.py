@@ -49,6 +49,8 @@ from .acceptance import Acceptance, expected_accepted
 from .errors import InvalidParameterError
 from .sequence import Sequence
 
+MAX_GAMMA = 8  # gamma "auto": the adaptive policy chooses γ in [0, MAX_GAMMA] per step (method auto: its deepest)
+
 
 class AdaptiveGamma:
     """A ``GammaPolicy`` choosing γ in [0, max_gamma] from measured step costs and acceptance.

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, HEAD_METHODS, METHODS, tree_options, tree_width_help
+from ..api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, tree_options, tree_width_help
+from ..drafters import registry
 from ..digest import sha256_file
 from ..errors import InvalidParameterError
 from . import report
@@ -31,12 +32,16 @@ from ..serve.cli import lookahead_help, lookahead_spec, positive_int
 from .roofline import measure_bandwidth, roofline
 
 
-TRAINING_FREE = tuple(m for m in METHODS if m not in HEAD_METHODS)  # "all": methods that need no trained heads
 DEFAULT_METHODS = ("ar", "draft", "pld", "nasd")
 
 
 def all_methods() -> tuple[str, ...]:
-    return (*METHODS, BEAM, *PEERS, *LLAMA_PEERS)
+    return (*registry.names(), BEAM, *PEERS, *LLAMA_PEERS)
+
+
+def training_free() -> tuple[str, ...]:
+    """"all": the registered methods that need no trained heads."""
+    return tuple(n for n, m in registry.methods().items() if not m.heads)
 
 
 def parse_methods(spec: str) -> list[str]:
@@ -45,7 +50,7 @@ def parse_methods(spec: str) -> list[str]:
     "all,medusa,llama-ar"). ``ar`` (the reference of every speedup and output check) is added first when
     missing."""
     names = [n for m in spec.split(",") if m.strip()
-             for n in ((*TRAINING_FREE, *PEERS) if m.strip() == "all" else (m.strip(),))]
+             for n in ((*training_free(), *PEERS) if m.strip() == "all" else (m.strip(),))]
     unknown = [m for m in names if m not in all_methods()]
     if unknown or not names:
         what = f"unknown method {unknown[0]!r}" if unknown else "no methods given"
@@ -201,15 +206,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
         raise InvalidParameterError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
     cfg.gamma = parse_gamma(cfg.gamma)
     methods = cfg.methods = parse_methods(",".join(cfg.methods))
-    if any(m in HEAD_METHODS for m in methods):  # heads: --heads or the target's default; fail before any run
+    if any(registry.get(m).heads for m in methods if registry.find(m)):  # heads: --heads or the target's default; fail before any run
         from ..heads import resolve_heads, target_identity
         from ..models.registry import resolve
 
         src = resolve(cfg.target, progress)
         sha = target_identity(src)
         for m in methods:
-            if m in HEAD_METHODS:
-                resolve_heads(cfg.heads, m, src, sha, cfg.target)
+            if registry.find(m) and registry.get(m).heads:
+                resolve_heads(cfg.heads, registry.get(m).heads, src, sha, cfg.target)
     if BEAM in methods:  # greedy only: fail before loading anything
         from ..beam import check_beam_params
         from ..sampling import SamplingParams

@@ -41,9 +41,11 @@ import torch
 
 from ..acceptance import Acceptance, expected_accepted
 from ..errors import InvalidParameterError
+from ..gamma import MAX_GAMMA
 from ..models.base import MAX_TREE_TOKENS
 from ..sequence import Sequence
 from .base import NO_NEEDS, Draft, Drafter, needs_of
+from .registry import Method, methods as registered, register
 
 NONE = "none"  # the option of drafting nothing this step (plain decoding)
 
@@ -244,3 +246,37 @@ class AutoDrafter:
         for child in self.children.values():
             if needs_of(child).target_cache:
                 child.bind_target_cache(cache)
+
+
+def _build(dw, rows: int, capacity: int, methods: list[str] | tuple[str, ...] | None = None, branches: int = 1,
+           heads: str | None = None, **opts) -> AutoDrafter:
+    """The auto drafter over ``methods`` (default: the registered methods marked ``auto_child`` — the
+    drafters that cost no model forwards — and the kinds of draft heads in option ``heads`` when it is
+    given; a draft-model method may be named when a draft model is set), priced by this machine's measured
+    target pass costs (and the draft model's or head's cost per drafted token). A head child drafts a chain."""
+    from ..heads import draft_seconds, pick_heads
+
+    known = registered()
+    if methods is None:
+        names = [n for n, m in known.items() if m.auto_child]
+        for n, m in known.items() if heads else ():
+            if m.heads:
+                with contextlib.suppress(InvalidParameterError):
+                    pick_heads(heads, m.heads)
+                    names.append(n)
+    else:
+        names = list(methods)
+    bad = [n for n in names if n not in known or n in (AutoDrafter.name, "ar") or known[n].heads and not heads]
+    if bad or not names:
+        raise InvalidParameterError(f"method 'auto' chooses among drafting methods; cannot use {bad or names}")
+    children = {n: dw.make_drafter(n, rows, capacity, **opts, **({"heads": heads, "branches": 1}
+                                                                 if known[n].heads else {}))
+                for n in names}
+    draft_cost = {n: dw.per_draft_cost(n) for n in names if known[n].draft_model}
+    draft_cost.update({n: draft_seconds(children[n]) for n in names if known[n].heads})
+    dw.pass_cost(1)  # measured here (once per process), not inside the first decode step
+    return AutoDrafter(children, dw.pass_cost, draft_cost=draft_cost, pooled=dw.auto_arms)
+
+
+register(Method("auto", _build, help="per request and step, the drafter (or none) with the most expected "
+                "tokens per second", takes_heads=True, own_gamma=MAX_GAMMA))

@@ -31,6 +31,7 @@ from ..errors import InvalidParameterError
 from ..heads import EagleHead
 from ..sequence import Sequence
 from .base import Draft, Needs, StatelessDrafter
+from .registry import Method, register
 
 
 @dataclass
@@ -172,3 +173,14 @@ class EagleDrafter(StatelessDrafter):
 
     def release(self, seq: Sequence) -> None:
         seq.drafter_state = None
+
+
+def _build(dw, rows: int, capacity: int, heads: str | None = None, branches: int | None = None,
+           **opts) -> EagleDrafter:
+    """``heads``: None = the target's default heads folder; ``branches``: None = the machine's width."""
+    return EagleDrafter(dw.heads(heads, "eagle"), dw.target.model.embed, branches=branches or dw.head_width(),
+                        **opts)
+
+
+register(Method("eagle", _build, help="an EAGLE head trained on the target (draftwise train-head)", heads="eagle",
+                width_option="branches", takes_heads=True))

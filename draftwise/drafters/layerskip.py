@@ -45,6 +45,7 @@ from ..errors import InvalidParameterError
 from ..sampling import logits_to_probs, sample, sample_at
 from ..sequence import Sequence
 from .base import Draft, Needs, StatelessDrafter
+from .registry import Method, register
 
 CALIBRATION_VERSION = 1
 # (module, where its snippet starts): code and prose (docstrings, comments) the target continues itself
@@ -379,3 +380,12 @@ def save_plan(plan: SkipPlan, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(asdict(plan), indent=1))
     tmp.replace(path)
+
+
+def _build(dw, rows: int, capacity: int, skip_layers=None, branches: int | None = None,
+           **opts) -> LayerSkipDrafter:
+    """Option skip_layers: instead of the plan's set (``dw.layerskip_plan``). A chain drafter: no branches."""
+    return LayerSkipDrafter(dw.target.model, dw.layerskip_plan(skip_layers).skip, **opts)
+
+
+register(Method("layerskip", _build, help="the target drafts with a measured subset of its own layers"))

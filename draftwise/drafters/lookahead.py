@@ -55,6 +55,7 @@ from ..errors import InvalidParameterError
 from ..models.base import MAX_TREE_TOKENS
 from ..sequence import Sequence
 from .base import Draft, Needs, trie
+from .registry import Method, register
 
 WINDOW, NGRAM, GUESSES = 1, 3, 1  # defaults: the smallest window with n-gram trajectories (see above)
 POOL_SIZE = 8  # continuations kept per first token
@@ -193,3 +194,12 @@ class LookaheadDrafter:
         for s in range(st.upto, len(toks) - n + 1):
             self._pool(st, toks[s], tuple(toks[s + 1:s + n]), toks[s - 1] if s > 0 else -1)
         st.upto = max(st.upto, len(toks) - n + 1)
+
+
+def _options(width: int | None, heads: str | None, lookahead: str | None) -> dict:
+    return parse_lookahead(lookahead) if lookahead is not None else {}  # --tree-width is not lookahead's
+
+
+register(Method("lookahead", lambda dw, rows, capacity, **opts: LookaheadDrafter(**opts),
+                help="Jacobi window + n-gram pool verified in the same pass", options=_options,
+                own_gamma=MAX_TREE_TOKENS - 1))  # W, N, G size the tree; the window must be fed every step

@@ -40,7 +40,8 @@ from typing import Callable
 
 import torch
 
-from ..api import AUTO, LOOKAHEAD, METHODS, SpeculativeDecoder, output_text, uses_draft_model
+from ..api import SpeculativeDecoder, output_text, uses_draft_model
+from ..drafters import registry
 from ..decode import Decoder, FixedGamma, GammaPolicy
 from ..drafters.base import Draft, Drafter, Needs, needs_of
 from ..errors import DraftwiseError, InvalidParameterError
@@ -201,8 +202,7 @@ class EngineConfig:
     drafter_options: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        if self.method not in METHODS:
-            raise InvalidParameterError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        registry.get(self.method)  # an unknown method: a clear error naming the registered ones
         if self.gamma_policy not in ("adaptive", "fixed"):
             raise InvalidParameterError(f"gamma policy must be adaptive or fixed, got {self.gamma_policy!r}")
         for name, lo in (("gamma", 1), ("max_batch", 1), ("max_queue", 0), ("max_prefill_tokens", 1)):
@@ -264,8 +264,9 @@ class Engine:
         self._off_steps = 0  # consecutive steps the policy found speculation not paying
 
     def _make_policy(self) -> GammaPolicy:
-        # auto chooses each row's depth itself; lookahead's window must be fed at every step (W, N, G size it)
-        if self.cfg.gamma_policy == "fixed" or self.method in (AUTO, LOOKAHEAD):
+        # a method that sizes its own drafts (auto chooses each row's depth; lookahead's window must be fed
+        # at every step) takes γ as its deepest draft
+        if self.cfg.gamma_policy == "fixed" or registry.get(self.method).own_gamma is not None:
             return FixedGamma(self.cfg.gamma)
         policy = AdaptiveGamma(self.cfg.gamma, explore_every=DRAFTER_SYNC_STEPS, cap=lambda s: s.gamma_cap,
                                ready=lambda seqs: self.drafter is not None and self.drafter.ready(seqs))
