@@ -8,14 +8,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
 from .beam import beam_search
 from .decode import Decoder, FixedGamma, GammaPolicy
-from .gamma import MAX_GAMMA, AdaptiveGamma, measure_forward_costs
+from .gamma import MAX_GAMMA, AdaptiveGamma, measure_forward_costs, parse_gamma
 from .drafters import registry
 from .drafters.base import Drafter
 from .drafters.cross_vocab import DRAFT_RATIO, VocabBridge
@@ -67,6 +67,48 @@ def tree_width_help() -> str:
 BEAM = "beam"  # beam search: a baseline beside the lossless methods (another search, not ar's output)
 AUTO_MAX_GAMMA = MAX_GAMMA  # the adaptive policy chooses γ in [0, 8] per step
 AUTO_COST_SIZES = (1, 2, 3, 5, 9)  # target pass sizes measured for method auto's cost model
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a decoder loads, in one shape for every caller (the command line, chat, the server and its Ray
+    replicas, the benchmark and its footprint children): the target, the draft model (None: none; it is
+    loaded lazily, by the first method that drafts with it), their weight formats, the backend, the layers
+    method layerskip skips (None: the calibrated set) and the draft heads (None: the target's default)."""
+
+    target: str = DEFAULT_TARGET
+    draft: str | None = DEFAULT_DRAFT
+    dtype: str = "auto"
+    draft_dtype: str | None = None  # None: as dtype
+    backend: str = "native"
+    skip_layers: str | None = None
+    heads: str | None = None
+
+    @classmethod
+    def from_args(cls, args) -> "ModelSpec":
+        """From any object with these names as attributes (parsed options, a config); missing ones keep
+        their defaults."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def for_method(self, method: str) -> "ModelSpec":
+        """The spec that ``method`` needs: without the draft model unless the method drafts with it."""
+        return self if uses_draft_model(method) or self.draft is None else replace(self, draft=None)
+
+
+def build_decoder(spec: ModelSpec, *, method: str | None = None, progress: bool = True) -> "SpeculativeDecoder":
+    """The decoder of ``spec`` (``method``: load only what that method needs; None: keep the draft model,
+    to be loaded when a method first asks for it)."""
+    if method is not None:
+        spec = spec.for_method(method)
+    return SpeculativeDecoder(spec.target, spec.draft, dtype=spec.dtype, draft_dtype=spec.draft_dtype,
+                              backend=spec.backend, progress=progress, skip_layers=spec.skip_layers)
+
+
+def setup_threads(threads: int | None) -> None:
+    """torch's CPU threads: ``threads``, or every core (None)."""
+    import os
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
 @dataclass
@@ -304,18 +346,14 @@ class SpeculativeDecoder:
         """An int is a fixed γ; "auto" the adaptive policy of this method (its measured step costs are
         kept across requests, acceptance is tracked per request). Seeded requests may take it too: their
         draws are position-keyed, so the text does not depend on the γ chosen (sampling.py)."""
-        if isinstance(gamma, bool):
-            raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+        if isinstance(gamma, (bool, int, str)):
+            gamma = parse_gamma(gamma)
         own = registry.get(method).own_gamma  # auto, lookahead: the drafter sizes its drafts, up to this
         if own is not None and gamma == "auto":
             return FixedGamma(own)
         if isinstance(gamma, int):
             return FixedGamma(gamma)
-        if isinstance(gamma, str):
-            if gamma.strip().isdigit():
-                return FixedGamma(int(gamma))
-            if gamma != "auto":
-                raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+        if gamma == "auto":
             if method not in self._auto:
                 self._auto[method] = self.prime(AdaptiveGamma(AUTO_MAX_GAMMA), method)
             return self._auto[method]

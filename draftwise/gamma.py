@@ -52,6 +52,23 @@ from .sequence import Sequence
 MAX_GAMMA = 8  # gamma "auto": the adaptive policy chooses γ in [0, MAX_GAMMA] per step (method auto: its deepest)
 
 
+def parse_gamma(value: int | str, *, any_policy: bool = False) -> int | str:
+    """γ as a user gives it (the one parser: the command line, the benchmark and ``generate`` use it): an
+    integer >= 1 (an int, or its digits), or "auto" (``any_policy``: any other policy name too, passed on
+    to the engine as it is)."""
+    if isinstance(value, bool):
+        raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {value!r}")
+    if isinstance(value, int) or str(value).strip().lstrip("-").isdigit():
+        g = int(value)
+        if g < 1:
+            raise InvalidParameterError(f"gamma must be >= 1, got {g}")
+        return g
+    name = str(value).strip()
+    if name == "auto" or (any_policy and name):
+        return name
+    raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {value!r}")
+
+
 class AdaptiveGamma:
     """A ``GammaPolicy`` choosing γ in [0, max_gamma] from measured step costs and acceptance.
 

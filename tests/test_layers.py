@@ -101,8 +101,8 @@ def import_graph() -> dict[str, set[str]]:
                 for _ in range(node.level - 1):
                     base = base.rpartition(".")[0]
                 target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
-                deps.add(target)
-                deps |= {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods}
+                subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods}
+                deps |= subs if len(subs) == len(node.names) else subs | {target}  # `from .. import settings`
         graph[name] = {d for d in deps if d in mods and d != name}
     return graph
 

@@ -108,8 +108,11 @@ def find(name: str) -> Method | None:
 def drafter_options(method: str, width: int | None, heads: str | None = None, lookahead: str | None = None) -> dict:
     """A method's drafter options from ``--tree-width`` (None: the method's default), ``--heads`` and
     ``--lookahead W,N,G``: a tree variant's branches (default TREE_WIDTH), the option the method names for
-    the width (suffix's node budget, a head method's branches), the heads for those that take them."""
-    m = get(method)
+    the width (suffix's node budget, a head method's branches), the heads for those that take them. Nothing
+    for a name that is no registered method (beam search, a benchmark peer)."""
+    m = find(method)
+    if m is None:
+        return {}
     if m.options is not None:
         return m.options(width, heads, lookahead)
     opts: dict = {}

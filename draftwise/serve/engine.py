@@ -546,3 +546,14 @@ class Engine:
 
 def with_overrides(cfg: EngineConfig, **changes) -> EngineConfig:
     return dataclasses.replace(cfg, **changes)
+
+
+def engine_config(args) -> EngineConfig:
+    """The engine's settings from parsed ``serve`` / ``bench-serve`` options (any object with their names)."""
+    if args.max_queue < 0:
+        raise InvalidParameterError(f"--max-queue must be >= 0, got {args.max_queue}")
+    return EngineConfig(method=args.method, gamma=args.gamma, gamma_policy=args.gamma_policy,
+                        kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch, max_model_len=args.max_model_len,
+                        max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
+                        drafter_options=registry.drafter_options(args.method, args.tree_width, args.heads,
+                                                                 args.lookahead))
