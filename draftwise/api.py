@@ -15,7 +15,8 @@ import torch
 
 from .beam import beam_search
 from .decode import Decoder, FixedGamma, GammaPolicy
-from .gamma import MAX_GAMMA, AdaptiveGamma, measure_forward_costs, parse_gamma
+from .costs import AUTO_COST_SIZES, PassCosts, prime  # noqa: F401  (AUTO_COST_SIZES: api users)
+from .gamma import MAX_GAMMA, AdaptiveGamma, parse_gamma
 from .drafters import registry
 from .drafters.base import Drafter
 from .drafters.cross_vocab import DRAFT_RATIO, VocabBridge
@@ -24,7 +25,7 @@ from .drafters.registry import TREE_SUFFIX, TREE_WIDTH
 from .drafters.suffix import SuffixCache
 from .errors import IncompatibleModelsError, InvalidParameterError
 from .models import LoadedModel, load_model
-from .models.base import MAX_TREE_TOKENS, is_encoder_decoder
+from .models.base import is_encoder_decoder
 from .sampling import SamplingParams
 from .sequence import GenerationStats, Sequence
 
@@ -66,7 +67,6 @@ def tree_width_help() -> str:
 
 BEAM = "beam"  # beam search: a baseline beside the lossless methods (another search, not ar's output)
 AUTO_MAX_GAMMA = MAX_GAMMA  # the adaptive policy chooses γ in [0, 8] per step
-AUTO_COST_SIZES = (1, 2, 3, 5, 9)  # target pass sizes measured for method auto's cost model
 
 
 @dataclass(frozen=True)
@@ -152,8 +152,7 @@ class SpeculativeDecoder:
         self._heads: dict[str, object] = {}
         self._target_id: tuple[Path | str, str] | None = None  # _target_file()
         self._auto: dict[str, AdaptiveGamma] = {}  # per method: step costs are learned across requests
-        self._target_costs: dict[int, float] = {}  # measured forward seconds over T new tokens (prime)
-        self._draft_cost: float | None = None
+        self.costs = PassCosts(self.target.model)  # this machine's measured pass costs (costs.py)
         self._auto_arms: dict = {}  # method auto: each drafter's acceptance pooled over requests (a prior)
         self.suffix_cache = SuffixCache()  # method suffix: earlier requests' tokens, shared by its drafters
         self._draft: LoadedModel | None = draft if isinstance(draft, LoadedModel) else None
@@ -190,29 +189,19 @@ class SpeculativeDecoder:
         return self._heads[folder]
 
     def layerskip_plan(self, skip_layers: str | list[int] | None = None):
-        """Method layerskip's ``SkipPlan``: the layers given (``skip_layers``, else the decoder's own), with
-        their draft pass timed; else the set calibrated for this target weight file and format — measured
-        once (``drafters/layerskip.calibrate``, about a minute for the 1.5B target on 2 cores) and kept in
-        ``$DRAFTWISE_HOME/layerskip/``. Says which layers it skips on stderr, once per set."""
-        import sys
-
+        """Method layerskip's ``SkipPlan`` (``drafters.layerskip.plan_for``): the layers given
+        (``skip_layers``, else the decoder's own) with their draft pass timed, else the set calibrated once
+        for this target weight file and format and kept in ``$DRAFTWISE_HOME/layerskip/``; one per set."""
         from .drafters import layerskip as ls
 
         if self.backend != "native":
             raise InvalidParameterError("method 'layerskip' runs a subset of the target's own layers: it needs the "
                                         "native backend (--backend native)")
         spec = skip_layers if skip_layers is not None else self.skip_layers
-        L = self.target.config.num_layers
-        key = None if spec is None else ls.parse_skip_layers(spec, L)
+        key = None if spec is None else ls.parse_skip_layers(spec, self.target.config.num_layers)
         if key not in self._skip_plans:
-            if key is None:
-                plan, where = self._calibrated_skip_plan()
-            else:
-                kept = tuple(i for i in range(L) if i not in key)
-                plan, where = ls.SkipPlan(list(key), L, ls.measure_draft_ratio(self.target.model, kept),
-                                          source="given"), "as given"
-            print(f"draftwise: layerskip: {plan.describe()} ({where})", file=sys.stderr)
-            self._skip_plans[key] = plan
+            self._skip_plans[key] = ls.plan_for(self.target, key, lambda: self._target_file()[1], self.costs,
+                                                self.progress)
         return self._skip_plans[key]
 
     def _target_file(self) -> tuple[Path | str, str]:
@@ -228,32 +217,6 @@ class SpeculativeDecoder:
             except Exception:  # a model built in memory: known by its name only
                 self._target_id = (self.target.name, f"name:{self.target.name}")
         return self._target_id
-
-    def _calibrated_skip_plan(self):
-        import sys
-
-        from .drafters import layerskip as ls
-        from .models.registry import draftwise_home
-
-        identity = self._target_file()[1]
-        path = ls.plan_path(draftwise_home(), identity, self.target.weights, self.target.name)
-        plan = ls.load_plan(path, self.target.config.num_layers)
-        if plan is not None:
-            return plan, f"cached in {path}"
-        sizes = range(1, ls.CALIBRATION_DEPTH + 2)  # target passes over k + 1 tokens
-        missing = [T for T in sizes if T not in self._target_costs]
-        if missing:
-            self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
-                                                                         sizes=missing)))
-        if self.progress:
-            print(f"draftwise: layerskip: no skip set measured for {self.target.name} ({self.target.weights}) "
-                  "yet: calibrating once (about a minute) ...", file=sys.stderr)
-        log = (lambda m: print(f"draftwise: {m}", file=sys.stderr)) if self.progress else None
-        plan = ls.calibrate(self.target.model, ls.calibration_prompts(self.tokenizer),
-                            lambda T: self._target_costs[T], log=log)
-        plan.target, plan.weights = str(self.target.name), self.target.weights
-        ls.save_plan(plan, path)
-        return plan, f"saved to {path}"
 
     def _check_draft(self, d: LoadedModel) -> None:
         """The target's tokenizer, or one bridged to it (cross-tokenizer drafting; else a clear error).
@@ -318,28 +281,18 @@ class SpeculativeDecoder:
 
     def per_draft_cost(self, method: str) -> float:
         """Seconds per token the draft model drafts for ``method`` (measured once per process)."""
-        if self._draft_cost is None:
-            self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0] \
-                if self.backend == "native" else 0.0
+        if self.backend != "native":
+            return 0.0
         # a draft with another tokenizer feeds about 1.5 of its tokens per target token (cross_vocab)
-        return self._draft_cost * (DRAFT_RATIO if self.bridge is not None else 1.0)
+        return self.costs.draft_pass(self.draft.model) * (DRAFT_RATIO if self.bridge is not None else 1.0)
+
+    @property
+    def _target_costs(self) -> dict[int, float]:  # the measured points (tests set them)
+        return self.costs.seconds
 
     def pass_cost(self, tokens: int) -> float:
-        """Seconds of a batch-1 target pass over ``tokens`` new tokens on this machine: measured once per
-        process at a few sizes (about two seconds for the 1.5B target) and at any others measured for this
-        process (``prime``), made non-decreasing (timings are noisy), linear in between and beyond."""
-        missing = [T for T in AUTO_COST_SIZES if T not in self._target_costs]
-        if missing:
-            self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
-                                                                         sizes=missing)))
-        pts, top = [], 0.0
-        for T, c in sorted(self._target_costs.items()):
-            top = max(top, c)
-            pts.append((T, top))
-        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
-            if tokens <= t1 or t1 == pts[-1][0]:
-                return max(c0 + (c1 - c0) * (tokens - t0) / (t1 - t0), pts[0][1])
-        return pts[0][1]
+        """Seconds of a batch-1 target pass over ``tokens`` new tokens on this machine (``costs.PassCosts``)."""
+        return self.costs(tokens)
 
     def gamma_policy(self, method: str, gamma: int | str | GammaPolicy, params: SamplingParams | None = None
                      ) -> GammaPolicy:
@@ -363,31 +316,20 @@ class SpeculativeDecoder:
         return gamma
 
     def prime(self, policy: AdaptiveGamma, method: str) -> AdaptiveGamma:
-        """Seed an adaptive policy's cost fit with this machine's measured step costs for ``method``:
-        a target pass over k + 1 tokens plus, for the draft model, k single-token draft passes; the fit
-        takes the measured pass costs as a feature (``AdaptiveGamma.set_pass_cost``). Measured once per
-        process (about two seconds for the 1.5B target)."""
+        """Seed an adaptive policy's cost fit with this machine's measured step costs for ``method``
+        (``costs.prime``): its tree width, and the seconds of a drafted token for the draft model (k + 1
+        drafted tokens for k with another tokenizer) or layerskip."""
         if method == "ar" or self.backend != "native" or self.is_encoder_decoder:
             return policy
         m = registry.get(method)
         width = TREE_WIDTH if m.tree else self.head_width() if m.heads else 1
-        fed = [1 + min(k * width, MAX_TREE_TOKENS - 1) for k in range(policy.max_gamma + 1)]  # tokens per pass
-        missing = sorted(set(fed) - set(self._target_costs))
-        if missing:
-            self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
-                                                                         sizes=missing)))
-        policy.set_pass_cost(self.pass_cost)  # the fit follows the measured shape of a pass's cost in T
         per_draft = 0.0
         if m.name == LAYERSKIP:
-            per_draft = self.layerskip_plan().draft_ratio * self._target_costs[1]
+            per_draft = self.layerskip_plan().draft_ratio * self.pass_cost(1)
         if m.draft_model:
-            if self._draft_cost is None:
-                self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0]
-            per_draft = self._draft_cost
-        for k, T in enumerate(fed):
-            drafts = k + 1 if m.draft_model and self.bridge is not None and k else k  # text: k + 1 tokens
-            policy.prime(1, k, self._target_costs[T] + drafts * per_draft)
-        return policy
+            per_draft = self.costs.draft_pass(self.draft.model)
+        return prime(policy, self.costs, width=width, per_draft=per_draft,
+                     text_drafts=m.draft_model and self.bridge is not None)
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
                  method: str = "draft", gamma: int | str | GammaPolicy = "auto", chat: bool = False,

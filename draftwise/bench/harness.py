@@ -106,7 +106,7 @@ class Runner:
     """Runs one method on one prompt and returns a record: new tokens, wall, stats, token ids, text."""
 
     def __init__(self, cfg: BenchConfig, progress: bool):
-        from ..api import SpeculativeDecoder
+        from ..api import ModelSpec, build_decoder
         from ..models.registry import resolve
         from ..sampling import SamplingParams
 
@@ -117,8 +117,7 @@ class Runner:
         if llama:  # before loading anything: one clear line when llama-cpp-python is missing
             require_llama_cpp(llama)
         # the draft model is loaded lazily, by the first method that drafts with it (during warm-up)
-        self.dw = SpeculativeDecoder(cfg.target, cfg.draft, dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
-                                     backend=cfg.backend, progress=progress, skip_layers=cfg.skip_layers)
+        self.dw = build_decoder(ModelSpec.from_args(cfg), progress=progress)
         self.peers = None
         if peers:  # loaded once, only when asked for
             from ..models import peer_dtype

@@ -382,6 +382,37 @@ def save_plan(plan: SkipPlan, path: Path) -> None:
     tmp.replace(path)
 
 
+
+def plan_for(target, skip: list[int] | None, identity, costs, progress: bool = True) -> "SkipPlan":
+    """The ``SkipPlan`` of a loaded target (a ``LoadedModel``): the layers ``skip`` (parsed) with their
+    draft pass timed; or (None) the set calibrated for this target weight file and format — measured once
+    (``calibrate``, about a minute for the 1.5B target on 2 cores) and kept under ``$DRAFTWISE_HOME/
+    layerskip/`` (``identity()``: the weight file's sha256). ``costs``: the decoder's ``PassCosts``. Says
+    which layers it skips on stderr."""
+    import sys
+
+    from .. import settings
+
+    L = target.config.num_layers
+    if skip is not None:
+        kept = tuple(i for i in range(L) if i not in skip)
+        plan, where = SkipPlan(list(skip), L, measure_draft_ratio(target.model, kept), source="given"), "as given"
+    else:
+        path = plan_path(settings.home(), identity(), target.weights, target.name)
+        plan, where = load_plan(path, L), f"cached in {path}"
+        if plan is None:
+            costs.measure(range(1, CALIBRATION_DEPTH + 2))  # target passes over k + 1 tokens
+            if progress:
+                print(f"draftwise: layerskip: no skip set measured for {target.name} ({target.weights}) "
+                      "yet: calibrating once (about a minute) ...", file=sys.stderr)
+            log = (lambda m: print(f"draftwise: {m}", file=sys.stderr)) if progress else None
+            plan = calibrate(target.model, calibration_prompts(target.tokenizer), lambda T: costs.seconds[T], log=log)
+            plan.target, plan.weights = str(target.name), target.weights
+            save_plan(plan, path)
+            where = f"saved to {path}"
+    print(f"draftwise: layerskip: {plan.describe()} ({where})", file=sys.stderr)
+    return plan
+
 def _build(dw, rows: int, capacity: int, skip_layers=None, branches: int | None = None,
            **opts) -> LayerSkipDrafter:
     """Option skip_layers: instead of the plan's set (``dw.layerskip_plan``). A chain drafter: no branches."""
