@@ -8,22 +8,21 @@
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
 from .beam import beam_search
-from .decode import MAX_TREE_TOKENS, Decoder, FixedGamma, GammaPolicy
-from .gamma import AdaptiveGamma, measure_forward_costs
+from .decode import Decoder, FixedGamma, GammaPolicy
+from .costs import AUTO_COST_SIZES, PassCosts, prime  # noqa: F401  (AUTO_COST_SIZES: api users)
+from .gamma import MAX_GAMMA, AdaptiveGamma, parse_gamma
+from .drafters import registry
 from .drafters.base import Drafter
-from .drafters.cross_vocab import DRAFT_RATIO, CrossVocabDrafter, VocabBridge
-from .drafters.draft_model import DraftModelDrafter, check_compatible
-from .drafters.lookahead import LookaheadDrafter, parse_lookahead
-from .drafters.nasd import NASDDrafter
-from .drafters.pld import PromptLookupDrafter
-from .drafters.suffix import SuffixCache, SuffixDrafter
+from .drafters.cross_vocab import DRAFT_RATIO, VocabBridge
+from .drafters.draft_model import check_compatible
+from .drafters.registry import TREE_SUFFIX, TREE_WIDTH
+from .drafters.suffix import SuffixCache
 from .errors import IncompatibleModelsError, InvalidParameterError
 from .models import LoadedModel, load_model
 from .models.base import is_encoder_decoder
@@ -32,18 +31,18 @@ from .sequence import GenerationStats, Sequence
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-METHODS = ("ar", "draft", "pld", "nasd", "draft-tree", "pld-tree", "nasd-tree", "suffix", "medusa", "eagle", "auto",
-           "layerskip", "lookahead")
 AUTO = "auto"  # per request and step, the drafter (or none) with the most expected tokens per second
-AUTO_CHILDREN = ("pld", "nasd", "suffix")  # what auto chooses among by default (drafter option "methods" changes it)
-HEAD_METHODS = ("medusa", "eagle")  # draft heads trained on the target (``draftwise train-head``), token trees
-TREE_SUFFIX = "-tree"  # the same drafter proposing a token tree (``branches`` > 1, default TREE_WIDTH)
-TREE_WIDTH = 3
-HEAD_TREE_COST = 1.3  # head methods draft trees by default where a 7-token pass costs at most this many 1-token ones
 SUFFIX = "suffix"  # SuffixDecoding: trees from this request and earlier ones (``SpeculativeDecoder.suffix_cache``)
 LAYERSKIP = "layerskip"  # the target drafts with a measured subset of its own layers (drafters/layerskip.py)
 LOOKAHEAD = "lookahead"  # Jacobi window + n-gram pool in the verifying pass (drafters/lookahead.py); sizes its own tree
-SEQ2SEQ_METHODS = ("ar", "draft", "pld", "nasd")  # an encoder-decoder target (T5, BART, Marian; backend hf)
+HEAD_TREE_COST = 1.3  # head methods draft trees by default where a 7-token pass costs at most this many 1-token ones
+# The built-in methods as registered (drafters/registry.py, the one table; read it there to see methods
+# registered later by other modules): these names are kept for the library's users.
+METHODS = registry.names()
+SEQ2SEQ_METHODS = registry.names(seq2seq=True)  # an encoder-decoder target (T5, BART, Marian; backend hf)
+HEAD_METHODS = tuple(n for n, m in registry.methods().items() if m.heads)  # trained draft heads, token trees
+AUTO_CHILDREN = tuple(n for n, m in registry.methods().items() if m.auto_child)  # auto's default choices
+tree_options = registry.drafter_options  # drafter options from --tree-width / --heads / --lookahead
 
 
 def drafter_kind(method: str) -> tuple[str, bool]:
@@ -52,7 +51,9 @@ def drafter_kind(method: str) -> tuple[str, bool]:
 
 
 def uses_draft_model(method: str) -> bool:
-    return drafter_kind(method)[0] == "draft"
+    """Whether ``method`` drafts with the draft model (so the draft model is loaded for it)."""
+    m = registry.find(method)
+    return m is not None and m.draft_model
 
 
 def tree_width_help() -> str:
@@ -64,23 +65,50 @@ def tree_width_help() -> str:
             f"token, else 1, a chain); suffix: nodes of its tree (default {MAX_NODES})")
 
 
-def tree_options(method: str, width: int | None, heads: str | None = None, lookahead: str | None = None) -> dict:
-    """drafter options from ``--tree-width`` (None: the method's default) and ``--heads``: a tree method's
-    branches (default TREE_WIDTH), suffix's node budget (default suffix.MAX_NODES), a head method's heads;
-    from ``--lookahead W,N,G``: method lookahead's window, n-gram size and n-grams verified."""
-    if method == LOOKAHEAD:
-        return parse_lookahead(lookahead) if lookahead is not None else {}
-    if method == SUFFIX:
-        return {"max_nodes": width} if width is not None else {}
-    opts: dict = {"branches": width or TREE_WIDTH} if method.endswith(TREE_SUFFIX) else {}
-    if method in HEAD_METHODS and width:  # else the machine's (SpeculativeDecoder.head_width)
-        opts["branches"] = width
-    if (method in HEAD_METHODS or method == AUTO) and heads:  # auto: the heads join the drafters it picks from
-        opts["heads"] = heads
-    return opts
 BEAM = "beam"  # beam search: a baseline beside the lossless methods (another search, not ar's output)
-AUTO_MAX_GAMMA = 8  # the adaptive policy chooses γ in [0, 8] per step
-AUTO_COST_SIZES = (1, 2, 3, 5, 9)  # target pass sizes measured for method auto's cost model
+AUTO_MAX_GAMMA = MAX_GAMMA  # the adaptive policy chooses γ in [0, 8] per step
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a decoder loads, in one shape for every caller (the command line, chat, the server and its Ray
+    replicas, the benchmark and its footprint children): the target, the draft model (None: none; it is
+    loaded lazily, by the first method that drafts with it), their weight formats, the backend, the layers
+    method layerskip skips (None: the calibrated set) and the draft heads (None: the target's default)."""
+
+    target: str = DEFAULT_TARGET
+    draft: str | None = DEFAULT_DRAFT
+    dtype: str = "auto"
+    draft_dtype: str | None = None  # None: as dtype
+    backend: str = "native"
+    skip_layers: str | None = None
+    heads: str | None = None
+
+    @classmethod
+    def from_args(cls, args) -> "ModelSpec":
+        """From any object with these names as attributes (parsed options, a config); missing ones keep
+        their defaults."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def for_method(self, method: str) -> "ModelSpec":
+        """The spec that ``method`` needs: without the draft model unless the method drafts with it."""
+        return self if uses_draft_model(method) or self.draft is None else replace(self, draft=None)
+
+
+def build_decoder(spec: ModelSpec, *, method: str | None = None, progress: bool = True) -> "SpeculativeDecoder":
+    """The decoder of ``spec`` (``method``: load only what that method needs; None: keep the draft model,
+    to be loaded when a method first asks for it)."""
+    if method is not None:
+        spec = spec.for_method(method)
+    return SpeculativeDecoder(spec.target, spec.draft, dtype=spec.dtype, draft_dtype=spec.draft_dtype,
+                              backend=spec.backend, progress=progress, skip_layers=spec.skip_layers)
+
+
+def setup_threads(threads: int | None) -> None:
+    """torch's CPU threads: ``threads``, or every core (None)."""
+    import os
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
 @dataclass
@@ -124,8 +152,7 @@ class SpeculativeDecoder:
         self._heads: dict[str, object] = {}
         self._target_id: tuple[Path | str, str] | None = None  # _target_file()
         self._auto: dict[str, AdaptiveGamma] = {}  # per method: step costs are learned across requests
-        self._target_costs: dict[int, float] = {}  # measured forward seconds over T new tokens (prime)
-        self._draft_cost: float | None = None
+        self.costs = PassCosts(self.target.model)  # this machine's measured pass costs (costs.py)
         self._auto_arms: dict = {}  # method auto: each drafter's acceptance pooled over requests (a prior)
         self.suffix_cache = SuffixCache()  # method suffix: earlier requests' tokens, shared by its drafters
         self._draft: LoadedModel | None = draft if isinstance(draft, LoadedModel) else None
@@ -162,29 +189,19 @@ class SpeculativeDecoder:
         return self._heads[folder]
 
     def layerskip_plan(self, skip_layers: str | list[int] | None = None):
-        """Method layerskip's ``SkipPlan``: the layers given (``skip_layers``, else the decoder's own), with
-        their draft pass timed; else the set calibrated for this target weight file and format — measured
-        once (``drafters/layerskip.calibrate``, about a minute for the 1.5B target on 2 cores) and kept in
-        ``$DRAFTWISE_HOME/layerskip/``. Says which layers it skips on stderr, once per set."""
-        import sys
-
+        """Method layerskip's ``SkipPlan`` (``drafters.layerskip.plan_for``): the layers given
+        (``skip_layers``, else the decoder's own) with their draft pass timed, else the set calibrated once
+        for this target weight file and format and kept in ``$DRAFTWISE_HOME/layerskip/``; one per set."""
         from .drafters import layerskip as ls
 
         if self.backend != "native":
             raise InvalidParameterError("method 'layerskip' runs a subset of the target's own layers: it needs the "
                                         "native backend (--backend native)")
         spec = skip_layers if skip_layers is not None else self.skip_layers
-        L = self.target.config.num_layers
-        key = None if spec is None else ls.parse_skip_layers(spec, L)
+        key = None if spec is None else ls.parse_skip_layers(spec, self.target.config.num_layers)
         if key not in self._skip_plans:
-            if key is None:
-                plan, where = self._calibrated_skip_plan()
-            else:
-                kept = tuple(i for i in range(L) if i not in key)
-                plan, where = ls.SkipPlan(list(key), L, ls.measure_draft_ratio(self.target.model, kept),
-                                          source="given"), "as given"
-            print(f"draftwise: layerskip: {plan.describe()} ({where})", file=sys.stderr)
-            self._skip_plans[key] = plan
+            self._skip_plans[key] = ls.plan_for(self.target, key, lambda: self._target_file()[1], self.costs,
+                                                self.progress)
         return self._skip_plans[key]
 
     def _target_file(self) -> tuple[Path | str, str]:
@@ -200,32 +217,6 @@ class SpeculativeDecoder:
             except Exception:  # a model built in memory: known by its name only
                 self._target_id = (self.target.name, f"name:{self.target.name}")
         return self._target_id
-
-    def _calibrated_skip_plan(self):
-        import sys
-
-        from .drafters import layerskip as ls
-        from .models.registry import draftwise_home
-
-        identity = self._target_file()[1]
-        path = ls.plan_path(draftwise_home(), identity, self.target.weights, self.target.name)
-        plan = ls.load_plan(path, self.target.config.num_layers)
-        if plan is not None:
-            return plan, f"cached in {path}"
-        sizes = range(1, ls.CALIBRATION_DEPTH + 2)  # target passes over k + 1 tokens
-        missing = [T for T in sizes if T not in self._target_costs]
-        if missing:
-            self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
-                                                                         sizes=missing)))
-        if self.progress:
-            print(f"draftwise: layerskip: no skip set measured for {self.target.name} ({self.target.weights}) "
-                  "yet: calibrating once (about a minute) ...", file=sys.stderr)
-        log = (lambda m: print(f"draftwise: {m}", file=sys.stderr)) if self.progress else None
-        plan = ls.calibrate(self.target.model, ls.calibration_prompts(self.tokenizer),
-                            lambda T: self._target_costs[T], log=log)
-        plan.target, plan.weights = str(self.target.name), self.target.weights
-        ls.save_plan(plan, path)
-        return plan, f"saved to {path}"
 
     def _check_draft(self, d: LoadedModel) -> None:
         """The target's tokenizer, or one bridged to it (cross-tokenizer drafting; else a clear error).
@@ -266,70 +257,17 @@ class SpeculativeDecoder:
         return self.tokenizer.encode(prompt)
 
     def make_drafter(self, method: str, rows: int, capacity: int, **opts) -> Drafter | None:
-        if method == "ar":
-            return None
-        if method == SUFFIX:  # option share=False: this request's own tokens only
-            return SuffixDrafter(self.suffix_cache if opts.pop("share", True) else None, **opts)
-        if method == LOOKAHEAD:
-            return LookaheadDrafter(**opts)
-        base, tree = drafter_kind(method)
-        if method not in HEAD_METHODS:  # a head method's default width is the machine's (head_width)
-            opts = {"branches": TREE_WIDTH if tree else 1, **opts}
-        if method in METHODS and base == "draft":
-            if self.bridge is not None:
-                return CrossVocabDrafter(self.draft.model, self.bridge, rows, capacity, **opts)
-            return DraftModelDrafter(self.draft.model, rows, capacity, **opts)
-        if method in METHODS and base == "pld":
-            return PromptLookupDrafter(**opts)
-        if method in METHODS and base == "nasd":
-            return NASDDrafter(**opts)
-        if method == LAYERSKIP:  # option skip_layers: instead of the plan's set
-            from .drafters.layerskip import LayerSkipDrafter
+        """The drafter of a registered method (None for "ar") for ``rows`` rows of ``capacity`` tokens;
+        ``opts`` are its drafter options (``tree_options``). A tree variant's branches default to TREE_WIDTH."""
+        m = registry.get(method)
+        if m.tree:
+            opts = {"branches": TREE_WIDTH, **opts}
+        return m.build(self, rows, capacity, **opts)
 
-            opts.pop("branches", None)  # a chain drafter
-            return LayerSkipDrafter(self.target.model, self.layerskip_plan(opts.pop("skip_layers", None)).skip, **opts)
-        if method == AUTO:
-            return self._auto_drafter(rows, capacity, **opts)
-        if method in HEAD_METHODS:
-            heads = opts.pop("heads", None)  # None: the target's default heads folder
-            opts["branches"] = opts.get("branches") or self.head_width()
-            if method == "eagle":
-                from .drafters.eagle import EagleDrafter
-
-                return EagleDrafter(self.heads(heads, "eagle"), self.target.model.embed, **opts)
-            from .drafters.medusa import MedusaDrafter
-
-            return MedusaDrafter(self.heads(heads, "medusa"), **opts)
-        raise InvalidParameterError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-
-    def _auto_drafter(self, rows: int, capacity: int, methods: list[str] | tuple[str, ...] | None = None,
-                      branches: int = 1, **opts) -> Drafter:
-        """The auto drafter over ``methods`` (default AUTO_CHILDREN: the drafters that cost no model
-        forwards, and the kinds of draft heads in option ``heads`` when it is given; "draft" may be named
-        when a draft model is set), priced by this machine's measured target pass costs (and the draft
-        model's or head's cost per drafted token). A head child drafts a chain."""
-        from .drafters.auto import AutoDrafter
-        from .heads import draft_seconds, pick_heads
-
-        heads = opts.pop("heads", None)
-        if methods is None:
-            names = [m for m in AUTO_CHILDREN if m in METHODS]
-            for kind in HEAD_METHODS if heads else ():
-                with contextlib.suppress(InvalidParameterError):
-                    pick_heads(heads, kind)
-                    names.append(kind)
-        else:
-            names = list(methods)
-        bad = [m for m in names if m not in METHODS or m in (AUTO, "ar") or m in HEAD_METHODS and not heads]
-        if bad or not names:
-            raise InvalidParameterError(f"method 'auto' chooses among drafting methods; cannot use {bad or names}")
-        children = {m: self.make_drafter(m, rows, capacity, **opts, **({"heads": heads, "branches": 1}
-                                                                       if m in HEAD_METHODS else {}))
-                    for m in names}
-        draft_cost = {m: self._per_draft_cost(m) for m in names if uses_draft_model(m)}
-        draft_cost.update({m: draft_seconds(children[m]) for m in names if m in HEAD_METHODS})
-        self.pass_cost(1)  # measured here (once per process), not inside the first decode step
-        return AutoDrafter(children, self.pass_cost, draft_cost=draft_cost, pooled=self._auto_arms)
+    @property
+    def auto_arms(self) -> dict:
+        """Method auto: each drafter's acceptance pooled over this decoder's requests (a new one's prior)."""
+        return self._auto_arms
 
     def head_width(self) -> int:
         """A head method's tree width when none is given: EAGLE-2's trees of TREE_WIDTH branches where this
@@ -341,82 +279,57 @@ class SpeculativeDecoder:
         flat = self.pass_cost(1 + 2 * TREE_WIDTH) <= HEAD_TREE_COST * self.pass_cost(1)
         return TREE_WIDTH if flat else 1
 
-    def _per_draft_cost(self, method: str) -> float:
-        if self._draft_cost is None:
-            self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0] \
-                if self.backend == "native" else 0.0
+    def per_draft_cost(self, method: str) -> float:
+        """Seconds per token the draft model drafts for ``method`` (measured once per process)."""
+        if self.backend != "native":
+            return 0.0
         # a draft with another tokenizer feeds about 1.5 of its tokens per target token (cross_vocab)
-        return self._draft_cost * (DRAFT_RATIO if self.bridge is not None else 1.0)
+        return self.costs.draft_pass(self.draft.model) * (DRAFT_RATIO if self.bridge is not None else 1.0)
+
+    @property
+    def _target_costs(self) -> dict[int, float]:  # the measured points (tests set them)
+        return self.costs.seconds
 
     def pass_cost(self, tokens: int) -> float:
-        """Seconds of a batch-1 target pass over ``tokens`` new tokens on this machine: measured once per
-        process at a few sizes (about two seconds for the 1.5B target) and at any others measured for this
-        process (``prime``), made non-decreasing (timings are noisy), linear in between and beyond."""
-        missing = [T for T in AUTO_COST_SIZES if T not in self._target_costs]
-        if missing:
-            self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
-                                                                         sizes=missing)))
-        pts, top = [], 0.0
-        for T, c in sorted(self._target_costs.items()):
-            top = max(top, c)
-            pts.append((T, top))
-        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
-            if tokens <= t1 or t1 == pts[-1][0]:
-                return max(c0 + (c1 - c0) * (tokens - t0) / (t1 - t0), pts[0][1])
-        return pts[0][1]
+        """Seconds of a batch-1 target pass over ``tokens`` new tokens on this machine (``costs.PassCosts``)."""
+        return self.costs(tokens)
 
     def gamma_policy(self, method: str, gamma: int | str | GammaPolicy, params: SamplingParams | None = None
                      ) -> GammaPolicy:
         """An int is a fixed γ; "auto" the adaptive policy of this method (its measured step costs are
         kept across requests, acceptance is tracked per request). Seeded requests may take it too: their
         draws are position-keyed, so the text does not depend on the γ chosen (sampling.py)."""
-        if isinstance(gamma, bool):
-            raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
-        if method == AUTO and gamma == "auto":  # the auto drafter chooses each row's depth itself, up to γ
-            return FixedGamma(AUTO_MAX_GAMMA)
-        if method == LOOKAHEAD and gamma == "auto":  # W, N, G size the tree; the window must be fed every step
-            return FixedGamma(MAX_TREE_TOKENS - 1)
+        if isinstance(gamma, (bool, int, str)):
+            gamma = parse_gamma(gamma)
+        own = registry.get(method).own_gamma  # auto, lookahead: the drafter sizes its drafts, up to this
+        if own is not None and gamma == "auto":
+            return FixedGamma(own)
         if isinstance(gamma, int):
             return FixedGamma(gamma)
-        if isinstance(gamma, str):
-            if gamma.strip().isdigit():
-                return FixedGamma(int(gamma))
-            if gamma != "auto":
-                raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+        if gamma == "auto":
             if method not in self._auto:
                 self._auto[method] = self.prime(AdaptiveGamma(AUTO_MAX_GAMMA), method)
             return self._auto[method]
-        if method == AUTO and isinstance(gamma, AdaptiveGamma):
+        if method == AUTO and isinstance(gamma, AdaptiveGamma):  # its own per-row choice is the policy
             raise InvalidParameterError("method 'auto' chooses its draft lengths itself: give gamma as an "
                                         "integer (the deepest draft) or 'auto'")
         return gamma
 
     def prime(self, policy: AdaptiveGamma, method: str) -> AdaptiveGamma:
-        """Seed an adaptive policy's cost fit with this machine's measured step costs for ``method``:
-        a target pass over k + 1 tokens plus, for the draft model, k single-token draft passes; the fit
-        takes the measured pass costs as a feature (``AdaptiveGamma.set_pass_cost``). Measured once per
-        process (about two seconds for the 1.5B target)."""
+        """Seed an adaptive policy's cost fit with this machine's measured step costs for ``method``
+        (``costs.prime``): its tree width, and the seconds of a drafted token for the draft model (k + 1
+        drafted tokens for k with another tokenizer) or layerskip."""
         if method == "ar" or self.backend != "native" or self.is_encoder_decoder:
             return policy
-        base, tree = drafter_kind(method)
-        width = TREE_WIDTH if tree else self.head_width() if method in HEAD_METHODS else 1
-        fed = [1 + min(k * width, MAX_TREE_TOKENS - 1) for k in range(policy.max_gamma + 1)]  # tokens per pass
-        missing = sorted(set(fed) - set(self._target_costs))
-        if missing:
-            self._target_costs.update(zip(missing, measure_forward_costs(self.target.model, max(missing),
-                                                                         sizes=missing)))
-        policy.set_pass_cost(self.pass_cost)  # the fit follows the measured shape of a pass's cost in T
+        m = registry.get(method)
+        width = TREE_WIDTH if m.tree else self.head_width() if m.heads else 1
         per_draft = 0.0
-        if base == LAYERSKIP:
-            per_draft = self.layerskip_plan().draft_ratio * self._target_costs[1]
-        if base == "draft":
-            if self._draft_cost is None:
-                self._draft_cost = measure_forward_costs(self.draft.model, 1, logits_for="last")[0]
-            per_draft = self._draft_cost
-        for k, T in enumerate(fed):
-            drafts = k + 1 if base == "draft" and self.bridge is not None and k else k  # text: k + 1 tokens
-            policy.prime(1, k, self._target_costs[T] + drafts * per_draft)
-        return policy
+        if m.name == LAYERSKIP:
+            per_draft = self.layerskip_plan().draft_ratio * self.pass_cost(1)
+        if m.draft_model:
+            per_draft = self.costs.draft_pass(self.draft.model)
+        return prime(policy, self.costs, width=width, per_draft=per_draft,
+                     text_drafts=m.draft_model and self.bridge is not None)
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
                  method: str = "draft", gamma: int | str | GammaPolicy = "auto", chat: bool = False,
@@ -437,7 +350,7 @@ class SpeculativeDecoder:
                                     method, r.finish_reason, r.stats)
         source, eos = None, self.tokenizer.eos_ids
         if self.is_encoder_decoder:  # the text is the encoder's source; the decoder starts from its own prompt
-            if method not in SEQ2SEQ_METHODS:
+            if not registry.get(method).seq2seq:
                 raise InvalidParameterError(f"method {method!r} is not available for encoder-decoder models; "
                                             f"choose one of {', '.join(SEQ2SEQ_METHODS)}")
             source, ids, eos = ids, list(self.target.model.decoder_prompt), eos | self.target.model.eos_ids

@@ -11,7 +11,7 @@ Token trees go through the same step: the drafter returns a tree (``Draft.parent
 [last token, nodes...] with a tree attention mask (each node sees the cached prefix and its ancestors, at
 position prefix + depth), and after verification the accepted path's entries are moved to contiguous
 slots (``KVCache.keep_path``) — a chain needs no move. A batch mixes chains and trees freely.
-A drafter with ``wants_all_logits`` also gets, in ``accept``, the draft as fed and the target's logits
+A drafter whose ``needs`` say ``all_logits`` also gets, in ``accept``, the draft as fed and the target's logits
 after every one of its nodes (lookahead decoding learns from the nodes off the accepted path).
 """
 
@@ -23,15 +23,13 @@ from typing import Protocol
 
 import torch
 
-from .drafters.base import Draft, Drafter
+from .drafters.base import Draft, Drafter, needs_of
 from .errors import InvalidParameterError, PromptTooLongError
-from .models.base import CausalLM, is_encoder_decoder
+from .models.base import MAX_TREE_TOKENS, CausalLM, is_encoder_decoder
 from .sampling import logits_to_probs, sample, sample_at
 from .sequence import ACCEPTED, BONUS, PLAIN, RECOVERED, Sequence
 from .verify import (VerifyResult, verify_greedy, verify_keyed, verify_sampled, verify_tree_greedy,
                      verify_tree_keyed, verify_tree_sampled)
-
-MAX_TREE_TOKENS = 32  # a tree step feeds at most this many tokens per row (transformer.EXACT_MAX_T)
 
 
 def tree_inputs(tokens: list[list[int]], parents: list[list[int]], starts: list[int]
@@ -110,11 +108,12 @@ class Decoder:
         self.detokenize = detokenize  # ids -> text, needed for stop strings
         self.capacity = capacity or target.config.max_context
         self.cache = target.new_cache(rows, self.capacity)
-        if hasattr(drafter, "bind_target_cache"):  # a drafter that drafts with the target itself (layerskip)
+        self.needs = needs_of(drafter)  # what the drafter reads beyond the protocol (drafters/base.py)
+        if self.needs.target_cache:  # a drafter that drafts with the target itself (layerskip)
             drafter.bind_target_cache(self.cache)
         # a drafter that reads the target's inner layers too (an EAGLE-3 head): every target forward
         # returns them, and the drafter gets them after the final state (see _features)
-        taps = tuple(getattr(drafter, "feature_taps", ()) or ())
+        taps = self.needs.feature_taps
         if taps and not getattr(target, "supports_taps", False):
             raise InvalidParameterError(f"the {drafter.name} drafter reads the target's inner layers, which this "
                                         "backend does not give; use the native backend")
@@ -156,7 +155,7 @@ class Decoder:
         if seq.encoder_ids is not None:  # encoder-decoder: the encoder runs once, then the decoder prefill
             self.target.encode(row, seq.encoder_ids)
         # a drafter whose context is the target's states at every prompt position (eagle) gets them all
-        every = {"all_hidden": True} if getattr(self.drafter, "wants_prompt_hidden", False) else {}
+        every = {"all_hidden": True} if self.needs.prompt_hidden else {}
         out = self.target.forward(torch.tensor([seq.prompt_ids]), row, logits_for="last", **every, **self._taps)
         logits = out.logits[0, -1]  # (V,)
         p = seq.params
@@ -239,7 +238,7 @@ class Decoder:
                     rows = slice(0, len(rows)) if rows == list(range(len(rows))) else rows
                     # a drafter that learns from every node it had fed, not only the accepted path (lookahead)
                     every = {"draft": d, "all_logits": logits[i, :1 + len(d.tokens)]} \
-                        if getattr(self.drafter, "wants_all_logits", False) else {}
+                        if self.needs.all_logits else {}
                     self.drafter.accept(s, n_before[i], r.num_accepted, logits[i, rows], path=r.nodes,
                                         hidden=hidden[i, rows], **every)
             except Exception as e:

@@ -45,13 +45,28 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .acceptance import Acceptance, expected_accepted
 from .errors import InvalidParameterError
 from .sequence import Sequence
 
+MAX_GAMMA = 8  # gamma "auto": the adaptive policy chooses γ in [0, MAX_GAMMA] per step (method auto: its deepest)
 
-def expected_accepted(j: int, alpha: float) -> float:
-    """α + α² + … + α^j: drafts accepted out of j under i.i.d. acceptance (the bonus token not counted)."""
-    return sum(alpha ** i for i in range(1, j + 1))
+
+def parse_gamma(value: int | str, *, any_policy: bool = False) -> int | str:
+    """γ as a user gives it (the one parser: the command line, the benchmark and ``generate`` use it): an
+    integer >= 1 (an int, or its digits), or "auto" (``any_policy``: any other policy name too, passed on
+    to the engine as it is)."""
+    if isinstance(value, bool):
+        raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {value!r}")
+    if isinstance(value, int) or str(value).strip().lstrip("-").isdigit():
+        g = int(value)
+        if g < 1:
+            raise InvalidParameterError(f"gamma must be >= 1, got {g}")
+        return g
+    name = str(value).strip()
+    if name == "auto" or (any_policy and name):
+        return name
+    raise InvalidParameterError(f"gamma must be an integer >= 1 or 'auto', got {value!r}")
 
 
 class AdaptiveGamma:
@@ -83,10 +98,9 @@ class AdaptiveGamma:
         self._pass1 = 1.0  # P(1)
         self._reset_fit()
         # decayed counts: α = accepted / tried, π = rows that got drafts / rows asked for drafts
-        self._acc, self._tried = prior_alpha * prior_weight, prior_weight
-        self._proposed, self._asked_rows = prior_weight, prior_weight
-        # the same counts per row of the current batch: id(seq) -> [seq, accepted, tried, proposed, asked]
-        self._rows: dict[int, list] = {}
+        self._pool = Acceptance(prior_alpha * prior_weight, prior_weight, prior_weight, prior_weight)
+        # the same counts per row of the current batch: id(seq) -> (seq, its counts)
+        self._rows: dict[int, tuple[Sequence, Acceptance]] = {}
         self._steps = 0
         self._explore_next = 0
         self._asked: list[tuple[Sequence, int, int]] = []  # (row, drafts asked, its drafted count before)
@@ -118,7 +132,7 @@ class AdaptiveGamma:
         before, self._rows = self._rows, {}  # rows that left the batch are forgotten
         for s in seqs:
             row = before.get(id(s))
-            self._rows[id(s)] = row if row is not None and row[0] is s else [s, 0.0, 0.0, 0.0, 0.0]
+            self._rows[id(s)] = row if row is not None and row[0] is s else (s, Acceptance())
         limits = [self._row_limit(s) for s in seqs]
         accepted = [self.accepted_by_length(s) for s in seqs]
         rates = [self._rate(B, k, limits, accepted) for k in range(self.max_gamma + 1)]
@@ -149,10 +163,8 @@ class AdaptiveGamma:
             d_tried += tried
             row = self._rows.get(id(s))
             if row is not None and row[0] is s:
-                row[1:] = [rd * row[1] + (a if proposed else 0), rd * row[2] + tried, rd * row[3] + proposed,
-                           rd * row[4] + 1]
-        self._acc, self._tried = d * self._acc + d_acc, d * self._tried + d_tried
-        self._proposed, self._asked_rows = d * self._proposed + d_proposed, d * self._asked_rows + d_asked
+                row[1].update(a if proposed else 0, tried, proposed, rd)
+        self._pool.update(d_acc, d_tried, d_proposed, d, asked=d_asked)
         # A step that drafts right after steps that did not pays for the drafter catching up on every token
         # it skipped (a draft model's cache), which is not the cost of drafting k tokens: leave it out of
         # the fit, or one exploration after a run of γ = 0 steps makes drafting look expensive for good.
@@ -171,28 +183,25 @@ class AdaptiveGamma:
     @property
     def acceptance_rate(self) -> float:
         """α: a proposed draft position's acceptance probability over recent steps (prior-weighted at first)."""
-        return self._acc / self._tried if self._tried > 0 else 0.0
+        return self._pool.alpha
 
     @property
     def proposal_rate(self) -> float:
         """π: how often the drafter proposed at least one token when asked (prior-weighted at the start)."""
-        return self._proposed / self._asked_rows if self._asked_rows > 0 else 1.0
+        return self._pool.pi
 
     def row_rates(self, seq: Sequence) -> tuple[float, float]:
         """(α, π) of one row of the current batch: its own decayed counts plus ``row_weight`` tries at the
         pooled rates (the pooled rates for a row not seen yet)."""
         row = self._rows.get(id(seq))
-        _, acc, tried, proposed, asked = row if row is not None and row[0] is seq else (seq, 0, 0, 0, 0)
-        w = self.row_weight
-        alpha = (w * self.acceptance_rate + acc) / (w + tried) if w + tried > 0 else self.acceptance_rate
-        pi = (w * self.proposal_rate + proposed) / (w + asked) if w + asked > 0 else self.proposal_rate
-        return alpha, pi
+        counts = row[1] if row is not None and row[0] is seq else Acceptance()
+        return counts.shrunk(self.acceptance_rate, self.proposal_rate, self.row_weight)
 
     def accepted_by_length(self, seq: Sequence | None = None) -> np.ndarray:
         """A(j) = π·(α + … + α^j) for j = 0..max_gamma: expected drafts accepted when j are asked for, at
         the pooled rates, or at row ``seq``'s (``row_rates``)."""
         alpha, pi = (self.acceptance_rate, self.proposal_rate) if seq is None else self.row_rates(seq)
-        return np.array([pi * expected_accepted(j, alpha) for j in range(self.max_gamma + 1)])
+        return np.array([pi * expected_accepted(alpha, j) for j in range(self.max_gamma + 1)])
 
     def cost(self, B: int, k: int) -> float:
         """Predicted seconds of a step with B rows drafting k tokens each (0 before any observation)."""

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .digest import sha256_file
 from .errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
 
 CONFIG, WEIGHTS = "config.json", "heads.safetensors"
@@ -261,11 +262,7 @@ def file_sha256(path: Path) -> str:
     side = path.with_name(path.name + ".sha256")
     if side.is_file():
         return side.read_text().split()[0]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return sha256_file(path)
 
 
 def target_identity(src: Path | str) -> str:

@@ -475,7 +475,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train_head(args) -> int:
-    from .cli import _setup_threads
+    from .api import setup_threads
     from .models import load_model
     from .models.registry import resolve
 
@@ -484,7 +484,7 @@ def cmd_train_head(args) -> int:
     if not 0.0 <= args.soft <= 1.0:
         raise InvalidParameterError(f"--soft must be in [0, 1], got {args.soft}")
     corpus_files(args.corpus)  # a bad path is an error before the model loads
-    _setup_threads(args)
+    setup_threads(args.threads)
     lm = load_model(args.target, args.dtype, "native")
     src = resolve(args.target, progress=False)
     sha = target_identity(src)

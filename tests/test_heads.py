@@ -191,7 +191,7 @@ def test_fused_eagle_drafts_from_the_target_layers_it_was_trained_on(tiny_target
     the tapped layers' outputs, and its first draft is what training's pass 1 predicts from the same
     features; the taps matter (zeroing them changes the prediction)."""
     head = _eagle(tiny_target, fused=True, scale=0.5).eval()
-    assert head.taps and EagleDrafter(head, tiny_target.embed).feature_taps == head.taps
+    assert head.taps and EagleDrafter(head, tiny_target.embed).needs.feature_taps == head.taps
     prompt = [ord(c) % 96 for c in "def add(a, b):\n    return a"]
     cache = tiny_target.new_cache(1, 64)
     out = tiny_target.forward(torch.tensor([prompt]), cache.view(slice(0, 1)), logits_for="all", taps=head.taps)
@@ -330,7 +330,7 @@ def test_auto_chooses_between_a_fused_eagle_head_and_prompt_lookup(tiny_target, 
     auto = AutoDrafter({"pld": PromptLookupDrafter(), "eagle": EagleDrafter(head, tiny_target.embed),
                         "medusa": MedusaDrafter(medusa.for_inference(), branches=1)}, lambda T: 1.0 + 0.01 * T,
                        draft_cost={"eagle": 1e-3, "medusa": 1e-3} if costly else None)
-    assert auto.wants_prompt_hidden and auto.feature_taps == head.taps
+    assert auto.needs.prompt_hidden and auto.needs.feature_taps == head.taps and auto.needs.state_from_target
     for rows in (1, 3):
         seqs = run(tiny_target, auto, PROMPTS, params, gamma=3, rows=rows)
         assert [s.output_ids for s in seqs] == ref

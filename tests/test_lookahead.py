@@ -14,7 +14,7 @@ import torch
 from draftwise.api import SpeculativeDecoder, tree_options
 from draftwise.cli import main
 from draftwise.decode import Decoder, FixedGamma, tree_inputs
-from draftwise.drafters.base import Draft, StatelessDrafter
+from draftwise.drafters.base import Draft, Needs, StatelessDrafter
 from draftwise.drafters.lookahead import LookaheadDrafter, parse_lookahead
 from draftwise.errors import InvalidParameterError
 from draftwise.sampling import SamplingParams
@@ -148,7 +148,7 @@ class Recorder(StatelessDrafter):
     """A fixed tree with a branch deeper than the loop allows; records what accept gets."""
 
     name = "recorder"
-    wants_all_logits = True
+    needs = Needs(all_logits=True)
 
     def __init__(self):
         self.seen: list[tuple[list[int], Draft, torch.Tensor]] = []

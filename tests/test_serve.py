@@ -17,7 +17,8 @@ import torch
 from draftwise.api import SpeculativeDecoder
 from draftwise.decode import Decoder
 from draftwise.errors import InvalidParameterError
-from draftwise.gamma import AdaptiveGamma, expected_accepted
+from draftwise.acceptance import Acceptance, expected_accepted
+from draftwise.gamma import AdaptiveGamma
 from draftwise.models import LoadedModel, load_model
 from draftwise.sampling import SamplingParams
 from draftwise.sequence import Sequence
@@ -88,9 +89,26 @@ def test_detokenizer_holds_back_a_possible_stop_string(tiny_dw):
 
 # ---- the adaptive γ policy ------------------------------------------------------------------------
 def test_expected_accepted():
-    assert expected_accepted(0, 0.7) == 0.0
-    assert expected_accepted(3, 1.0) == 3.0
-    assert expected_accepted(2, 0.5) == pytest.approx(0.75)
+    assert expected_accepted(0.7, 0) == 0.0
+    assert expected_accepted(1.0, 3) == 3.0
+    assert expected_accepted(0.5, 2) == pytest.approx(0.75)
+    assert expected_accepted(alpha=0.5, depth=3) == pytest.approx(0.875)
+
+
+def test_acceptance_counts():
+    """The estimator gamma and auto share: decayed counts, rates, shrinkage towards pooled rates."""
+    a = Acceptance()
+    assert a.alpha == 0.0 and a.pi == 1.0 and a.shrunk(0.6, 0.9, 8.0) == (0.6, 0.9)
+    a.update(2, 3, True, 0.5)
+    a.update(0, 1, False, 0.5)  # asked, nothing proposed: a failed try
+    assert (a.accepted, a.tried, a.proposed, a.asked) == (1.0, 2.5, 0.5, 1.5)
+    assert a.alpha == pytest.approx(0.4) and a.pi == pytest.approx(1 / 3)
+    assert a.expected(2) == pytest.approx((0.4 + 0.16) / 3)
+    alpha, pi = a.shrunk(0.8, 1.0, 2.5)
+    assert alpha == pytest.approx((2.5 * 0.8 + 1.0) / 5.0) and pi == pytest.approx((2.5 + 0.5) / 4.0)
+    b = Acceptance()
+    b.update(5, 7, 3, 1.0, asked=4)  # a batch's step: 4 rows asked, 3 proposed
+    assert (b.accepted, b.tried, b.proposed, b.asked) == (5, 7, 3, 4)
 
 
 def _simulate(policy: AdaptiveGamma, B: int, steps: int, alpha: float, rng: random.Random) -> list[int]:

@@ -45,9 +45,9 @@ def test_bad_options_are_refused_before_ray_starts():
 
 
 def test_serve_run_builder_takes_the_cli_options():
-    """``serve run draftwise.serve.ray_serve:build_app key=value ...`` parses with the CLI's own parser."""
+    """``serve run draftwise.cli.serve:build_app key=value ...`` parses with the CLI's own parser."""
     pytest.importorskip("ray.serve", reason="Ray Serve is the optional [ray] extra")
-    from draftwise.serve.ray_serve import build_app
+    from draftwise.cli.serve import build_app
 
     app = build_app({"target": "smollm2-135m-instruct", "method": "pld", "replicas": "2", "max_batch": "4"})
     assert type(app).__name__ == "Application"

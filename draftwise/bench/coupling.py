@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from ..api import SpeculativeDecoder
+from ..api import ModelSpec, SpeculativeDecoder, build_decoder
 from ..sampling import SamplingParams, logits_to_probs, position_uniforms, sample_at
 from .prompts import load_prompts
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args(argv)
     kwargs = {k: v for k, v in (("target", args.target), ("draft", args.draft)) if v}
-    dw = SpeculativeDecoder(progress=True, **kwargs)
+    dw = build_decoder(ModelSpec(**kwargs), progress=True)
     _, prompts = load_prompts(args.prompts, limit=args.limit)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)

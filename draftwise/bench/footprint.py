@@ -89,17 +89,19 @@ def measure(methods: list[str], cfg, ids: list[int], llama_ctx: int | None, eos_
 
 def _own_child(spec: dict) -> dict:
     t0 = time.perf_counter()
-    from ..api import HEAD_METHODS, SpeculativeDecoder, uses_draft_model
+    from ..api import ModelSpec, build_decoder, uses_draft_model
+    from ..drafters import registry
     from ..sampling import SamplingParams
 
     t_import = time.perf_counter() - t0
     t1 = time.perf_counter()
-    dw = SpeculativeDecoder(spec["target"], spec["draft"], dtype=spec["dtype"], draft_dtype=spec["draft_dtype"],
-                            backend=spec["backend"], progress=False, skip_layers=spec.get("skip_layers"))
+    model = ModelSpec(spec["target"], spec["draft"], spec["dtype"], spec["draft_dtype"], spec["backend"],
+                      spec.get("skip_layers"))
+    dw = build_decoder(model, progress=False)
     if uses_draft_model(spec["method"]):
         dw.draft  # noqa: B018  (the draft model loads lazily: count it in the load)
     opts = spec.get("drafter_options") or {}
-    if spec["method"] in HEAD_METHODS:
+    if (m := registry.find(spec["method"])) is not None and m.heads:
         dw.heads(opts.get("heads"), spec["method"])  # the heads too
     load = time.perf_counter() - t1
     params = SamplingParams(temperature=spec["temperature"], max_tokens=spec["max_tokens"], seed=spec["seed"])

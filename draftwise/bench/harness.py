@@ -9,9 +9,7 @@ method), prefill included, tokenization excluded — the same measurement for th
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import hashlib
 import os
 import platform
 import sys
@@ -21,22 +19,28 @@ from pathlib import Path
 
 import torch
 
-from ..api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, HEAD_METHODS, METHODS, tree_options, tree_width_help
+from ..api import BEAM, DEFAULT_DRAFT, DEFAULT_TARGET, tree_options
+from ..drafters import registry
+from ..digest import sha256_file
 from ..errors import InvalidParameterError
+from .. import gamma
 from . import report
 from .llama_peers import LLAMA_PEERS, LlamaPeers, context_size, require_llama_cpp
 from .peers import PEERS
 from .prompts import Prompt, load_prompts
-from ..serve.cli import lookahead_help, lookahead_spec, positive_int
 from .roofline import measure_bandwidth, roofline
 
 
-TRAINING_FREE = tuple(m for m in METHODS if m not in HEAD_METHODS)  # "all": methods that need no trained heads
 DEFAULT_METHODS = ("ar", "draft", "pld", "nasd")
 
 
 def all_methods() -> tuple[str, ...]:
-    return (*METHODS, BEAM, *PEERS, *LLAMA_PEERS)
+    return (*registry.names(), BEAM, *PEERS, *LLAMA_PEERS)
+
+
+def training_free() -> tuple[str, ...]:
+    """"all": the registered methods that need no trained heads."""
+    return tuple(n for n, m in registry.methods().items() if not m.heads)
 
 
 def parse_methods(spec: str) -> list[str]:
@@ -45,7 +49,7 @@ def parse_methods(spec: str) -> list[str]:
     "all,medusa,llama-ar"). ``ar`` (the reference of every speedup and output check) is added first when
     missing."""
     names = [n for m in spec.split(",") if m.strip()
-             for n in ((*TRAINING_FREE, *PEERS) if m.strip() == "all" else (m.strip(),))]
+             for n in ((*training_free(), *PEERS) if m.strip() == "all" else (m.strip(),))]
     unknown = [m for m in names if m not in all_methods()]
     if unknown or not names:
         what = f"unknown method {unknown[0]!r}" if unknown else "no methods given"
@@ -56,14 +60,7 @@ def parse_methods(spec: str) -> list[str]:
 
 def parse_gamma(s: str | int) -> int | str:
     """An integer γ >= 1, or a policy name (e.g. "auto") passed through to the engine."""
-    if isinstance(s, int) or str(s).strip().lstrip("-").isdigit():
-        g = int(s)
-        if g < 1:
-            raise InvalidParameterError(f"gamma must be >= 1, got {g}")
-        return g
-    if not str(s).strip():
-        raise InvalidParameterError("empty gamma")
-    return str(s).strip()
+    return gamma.parse_gamma(s, any_policy=True)
 
 
 @dataclass
@@ -139,15 +136,11 @@ def _provenance() -> dict:
             "isa_multi_row": info.get("isa_multi_row"), "commit": commit}
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 class Runner:
     """Runs one method on one prompt and returns a record: new tokens, wall, stats, token ids, text."""
 
     def __init__(self, cfg: BenchConfig, progress: bool):
-        from ..api import SpeculativeDecoder
+        from ..api import ModelSpec, build_decoder
         from ..models.registry import resolve
         from ..sampling import SamplingParams
 
@@ -158,8 +151,7 @@ class Runner:
         if llama:  # before loading anything: one clear line when llama-cpp-python is missing
             require_llama_cpp(llama)
         # the draft model is loaded lazily, by the first method that drafts with it (during warm-up)
-        self.dw = SpeculativeDecoder(cfg.target, cfg.draft, dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
-                                     backend=cfg.backend, progress=progress, skip_layers=cfg.skip_layers)
+        self.dw = build_decoder(ModelSpec.from_args(cfg), progress=progress)
         self.peers = None
         if peers:  # loaded once, only when asked for
             from ..models import peer_dtype
@@ -238,15 +230,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
         raise InvalidParameterError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
     cfg.gamma = parse_gamma(cfg.gamma)
     methods = cfg.methods = parse_methods(",".join(cfg.methods))
-    if any(m in HEAD_METHODS for m in methods):  # heads: --heads or the target's default; fail before any run
+    if any(registry.get(m).heads for m in methods if registry.find(m)):  # heads: --heads or the target's default; fail before any run
         from ..heads import resolve_heads, target_identity
         from ..models.registry import resolve
 
         src = resolve(cfg.target, progress)
         sha = target_identity(src)
         for m in methods:
-            if m in HEAD_METHODS:
-                resolve_heads(cfg.heads, m, src, sha, cfg.target)
+            if registry.find(m) and registry.get(m).heads:
+                resolve_heads(cfg.heads, registry.get(m).heads, src, sha, cfg.target)
     if BEAM in methods:  # greedy only: fail before loading anything
         from ..beam import check_beam_params
         from ..sampling import SamplingParams
@@ -319,7 +311,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
     if bw is not None:
         rf = roofline(runner.dw.target.model, bw["gb_per_s"], agg[report.REFERENCE]["tokens_per_s"])
         rf["bandwidth"] = bw
-    config = {**asdict(cfg), "prompts": str(path), "prompts_sha256": _sha256(path), "methods": methods,
+    config = {**asdict(cfg), "prompts": str(path), "prompts_sha256": sha256_file(path), "methods": methods,
               "categories": report.categories_of(per_prompt), "n_prompts": len(per_prompt),
               "reference": report.REFERENCE, "outputs_checked": checked, "peers_checked": greedy, "interrupted": interrupted,
               "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
@@ -340,101 +332,4 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
             "skipped": skipped, "per_prompt": per_prompt}
 
 
-# ---- command line --------------------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Bench options (the model options --target/--draft/--dtype/--backend/--threads come from cli.py)."""
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help=f"comma-separated, from {', '.join(all_methods())}, or all (default "
-                        f"{','.join(DEFAULT_METHODS)}); "
-                        "ar is always run as the reference; all = the engine's methods and the HF peers, the "
-                        "llama.cpp peers (pip install -e '.[peers]') only by name")
-    p.add_argument("--gamma", default="auto", help="draft tokens per step: an integer, or auto (default)")
-    p.add_argument("--prompts", default=None, help="Spec-Bench-shaped JSONL (question_id, category, turns); "
-                                                   "default: Spec-Bench's 480 prompts, shipped with draftwise")
-    p.add_argument("--categories", default=None, help="comma-separated categories (e.g. mt_bench,math_reasoning)")
-    p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); outputs are checked against ar when greedy or seeded")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed warm-up run per method")
-    p.add_argument("--bandwidth-gib", type=float, default=0.5,
-                   help="GiB streamed to measure memory bandwidth for the roofline (0 = skip)")
-    p.add_argument("--no-footprint", dest="footprint", action="store_false",
-                   help="skip the per-method peak RSS / load time measurement (a fresh process per method)")
-    p.add_argument("--num-beams", type=int, default=4, help="beams of method beam (default 4)")
-    p.add_argument("--tree-width", type=positive_int, default=None,
-                   help=tree_width_help())
-    p.add_argument("--lookahead", type=lookahead_spec, default=None, metavar="W,N,G", help=lookahead_help())
-    p.add_argument("--length-penalty", type=float, default=1.0, help="length penalty of method beam (default 1.0)")
-    p.add_argument("--out", default="bench-out", help="output folder (default bench-out)")
-
-
-def config_from_args(args) -> BenchConfig:
-    return BenchConfig(target=args.target, draft=args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
-                       backend=args.backend,
-                       gamma=parse_gamma(args.gamma), methods=parse_methods(args.methods), prompts=args.prompts,
-                       categories=[c.strip() for c in args.categories.split(",") if c.strip()]
-                       if args.categories else None,
-                       limit=args.limit, max_tokens=args.max_tokens, chat=args.chat, temperature=args.temperature,
-                       seed=args.seed, warmup_tokens=args.warmup_tokens, bandwidth_gib=args.bandwidth_gib,
-                       footprint=args.footprint, num_beams=args.num_beams, length_penalty=args.length_penalty,
-                       tree_width=args.tree_width, heads=args.heads, lookahead=args.lookahead, skip_layers=args.skip_layers,
-                       out=args.out)
-
-
-def cmd_bench(args) -> int:
-    from rich.console import Console
-
-    from ..sampling import SamplingParams
-
-    cfg = config_from_args(args)
-    SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens)  # validate before loading anything
-    out = Path(cfg.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InvalidParameterError(f"cannot create --out {out}: {e.strerror}") from None
-    results = run_bench(cfg, progress=True)
-    files = report.write_outputs(results, out)
-    console = Console(stderr=True, highlight=False)
-    summary(results, console)
-    console.print(f"wrote {', '.join(str(f) for f in files)}")
-    return 0
-
-
-def summary(results: dict, console) -> None:
-    """A short table on the terminal."""
-    from rich.table import Table
-
-    ms = results["methods"]
-    refs = [r for r in report.PEER_REFERENCES.values() if r in ms]  # × hf-ar, × llama-ar: when they ran
-    own = any(report.own_reference(m) for m in ms)  # a speculative peer: its output vs its own plain decoding
-    t = Table("method", "tok/s", "× ar", *[f"× {r}" for r in refs], "α", "τ", "mismatches vs ar",
-              *(["matches own ar"] if own else []), title="draftwise bench (overall)")
-    for m, s in ms.items():
-        t.add_row(m, report._f(s["tokens_per_s"]), report._f(s["speedup_vs_ar"]),
-                  *[report._f(s[f"speedup_vs_{report.key(r)}"]) for r in refs],
-                  report._f(s["acceptance_rate"]), report._f(s["mean_accepted_length"]),
-                  report._f(s["mismatches"], "d"),
-                  *([report.own_match(s)] if own else []))
-    console.print(t)
-    fp = results.get("footprint")
-    if fp:
-        ft = Table("method", "peak RSS", "load s", "generate s", "whole process s",
-                   title="memory and start-up (a fresh process per method, first prompt)")
-        for m, r in fp.items():
-            if "error" in r:
-                ft.add_row(m, r["error"], "", "", "")
-            else:
-                ft.add_row(m, f"{r['peak_rss_mb']:.0f} MiB", f"{r['load_s']:.2f}", f"{r['generate_s']:.2f}",
-                           f"{r['wall_s']:.2f}")
-        console.print(ft)
-    rf = results.get("roofline")
-    if rf:
-        console.print(f"roofline: {rf['bandwidth_gb_s']:.1f} GB/s ÷ {rf['weight_bytes_per_token'] / 1e9:.3f} GB/token "
-                      f"= {report._f(rf['max_tokens_per_s'])} tok/s; "
-                      f"ar at {report._f(rf['ar_percent_of_bound'], '.0f')}%")
-
-
-__all__ = ["BenchConfig", "add_arguments", "cmd_bench", "parse_gamma", "parse_methods", "run_bench"]
+__all__ = ["BenchConfig", "all_methods", "parse_gamma", "parse_methods", "run_bench", "training_free"]

@@ -12,7 +12,7 @@ Children are ordinary drafters behind the same protocol, of two kinds:
 - **costly** (a draft model, a draft head): a proposal costs forwards of another model, so it is only
   made when chosen. Its acceptance is measured when it runs; before that an optimistic prior (and the
   pooled estimate from earlier requests) lets it be tried. A draft model starts lazily (its cache is
-  filled the first time it is chosen); a draft head (``reads_hidden``) at once, as its context is the
+  filled the first time it is chosen); a draft head (``Needs.state_from_target``) at once, as its context is the
   target's states the loop gives at the prefill.
 
 The choice, per sequence and step, over options o = (child, depth j) and "none":
@@ -39,42 +39,22 @@ from typing import Callable
 
 import torch
 
+from ..acceptance import Acceptance, expected_accepted
 from ..errors import InvalidParameterError
+from ..gamma import MAX_GAMMA
+from ..models.base import MAX_TREE_TOKENS
 from ..sequence import Sequence
-from .base import Draft, Drafter
+from .base import NO_NEEDS, Draft, Drafter, needs_of
+from .registry import Method, methods as registered, register
 
 NONE = "none"  # the option of drafting nothing this step (plain decoding)
-
-
-@dataclass
-class Arm:
-    """Decayed acceptance counts of one child: α = accepted / tried, π = proposed / asked."""
-
-    accepted: float
-    tried: float
-    proposed: float = 1.0
-    asked: float = 1.0
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.tried if self.tried > 0 else 0.0
-
-    @property
-    def pi(self) -> float:
-        return self.proposed / self.asked if self.asked > 0 else 1.0
-
-    def update(self, accepted: int, tried: int, proposed: bool, decay: float) -> None:
-        self.accepted = decay * self.accepted + accepted
-        self.tried = decay * self.tried + tried
-        self.proposed = decay * self.proposed + float(proposed)
-        self.asked = decay * self.asked + 1.0
 
 
 @dataclass
 class _State:
     states: dict[str, object] = field(default_factory=dict)  # child -> its drafter_state for this sequence
     started: set[str] = field(default_factory=set)
-    arms: dict[str, Arm] = field(default_factory=dict)
+    arms: dict[str, Acceptance] = field(default_factory=dict)
     proposals: dict[str, Draft] = field(default_factory=dict)  # this step's proposals, scored in accept
     chosen: str = NONE
 
@@ -94,10 +74,6 @@ def matched_depth(draft: Draft, emitted: list[int]) -> tuple[int, int]:
     return depth, depth
 
 
-def expected_accepted(alpha: float, j: int) -> float:
-    return sum(alpha ** i for i in range(1, j + 1))
-
-
 class AutoDrafter:
     """Chooses, per sequence and step, among ``children`` (name -> drafter) and drafting nothing.
 
@@ -109,17 +85,19 @@ class AutoDrafter:
     name = "auto"
 
     def __init__(self, children: dict[str, Drafter], pass_cost: Callable[[int], float], *,
-                 draft_cost: dict[str, float] | None = None, pooled: dict[str, Arm] | None = None,
+                 draft_cost: dict[str, float] | None = None, pooled: dict[str, Acceptance] | None = None,
                  decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 3.0,
-                 max_nodes: int = 31):
+                 max_nodes: int = MAX_TREE_TOKENS - 1):
         if not children:
             raise InvalidParameterError("method 'auto' needs at least one drafter to choose from")
-        taps = {tuple(getattr(c, "feature_taps", ()) or ()) for c in children.values()} - {()}
-        if len(taps) > 1:
-            raise InvalidParameterError(f"auto's children read different inner layers of the target: {sorted(taps)}")
-        self.feature_taps = next(iter(taps), ())  # the target's inner layers a child reads (a fused eagle head)
-        # a child whose context is every prompt position's state (eagle): the loop gives them all
-        self.wants_prompt_hidden = any(getattr(c, "wants_prompt_hidden", False) for c in children.values())
+        # what any child reads: the loop gives it to auto, which hands each child what it declared (the
+        # inner layers of a fused eagle head, every prompt position's state, the target's cache, ...)
+        self.needs = NO_NEEDS
+        for name, c in children.items():
+            try:
+                self.needs |= needs_of(c)
+            except InvalidParameterError as e:
+                raise InvalidParameterError(f"auto's children: {e}") from None
         self.children = children
         self.pass_cost = pass_cost
         self.draft_cost = dict(draft_cost or {})
@@ -149,16 +127,16 @@ class AutoDrafter:
 
     def _start_child(self, seq: Sequence, name: str, hidden: torch.Tensor | None) -> None:
         child = self.children[name]
-        if hidden is not None and not getattr(child, "wants_prompt_hidden", False):
+        if hidden is not None and not needs_of(child).prompt_hidden:
             hidden = hidden[-1:]  # (1, D'): the last prompt position's, as the loop gives such a drafter
         with self._as([seq], name):
             child.start(seq, hidden=hidden)
         seq.drafter_state.started.add(name)
 
-    def _prior(self, name: str) -> Arm:
+    def _prior(self, name: str) -> Acceptance:
         pooled = self.pooled.get(name)
         alpha = pooled.alpha if pooled is not None and pooled.tried > 0 else self.prior_alpha
-        return Arm(alpha * self.prior_weight, self.prior_weight)
+        return Acceptance(alpha * self.prior_weight, self.prior_weight, 1.0, 1.0)
 
     # ---- protocol -------------------------------------------------------------------------------
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
@@ -166,7 +144,7 @@ class AutoDrafter:
         # a costly child starts the first time it is chosen, unless its state is the target's states (a
         # draft head): those are given here, not later
         for name, child in self.children.items():
-            if name in self.free or getattr(child, "reads_hidden", False):
+            if name in self.free or needs_of(child).state_from_target:
                 self._start_child(seq, name, hidden)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -233,7 +211,8 @@ class AutoDrafter:
         return best
 
     def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,
-               path: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+               path: list[int] | None = None, hidden: torch.Tensor | None = None, draft: Draft | None = None,
+               all_logits: torch.Tensor | None = None) -> None:
         st: _State = seq.drafter_state
         emitted = seq.tokens[n_before:n_before + num_accepted + 1]
         for name, d in st.proposals.items():  # score every proposal (the chosen one's whole, untruncated
@@ -242,9 +221,13 @@ class AutoDrafter:
                 arm.update(acc, tried, bool(d.tokens), self.decay)
         st.proposals = {}
         for name in list(st.started):
+            chosen = name == st.chosen
+            # the draft as fed and the target's scores at its nodes: the chosen child's, if it asked for them
+            every = {"draft": draft, "all_logits": all_logits} \
+                if chosen and draft is not None and needs_of(self.children[name]).all_logits else {}
             with self._as([seq], name):
                 self.children[name].accept(seq, n_before, num_accepted, target_logits,
-                                           path=path if name == st.chosen else None, hidden=hidden)
+                                           path=path if chosen else None, hidden=hidden, **every)
 
     def release(self, seq: Sequence) -> None:
         st = seq.drafter_state
@@ -257,3 +240,43 @@ class AutoDrafter:
     def move_row(self, src: int, dst: int) -> None:
         for child in self.children.values():
             child.move_row(src, dst)
+
+    def bind_target_cache(self, cache) -> None:
+        """The decoder's target cache, for the children that draft in it (``Needs.target_cache``)."""
+        for child in self.children.values():
+            if needs_of(child).target_cache:
+                child.bind_target_cache(cache)
+
+
+def _build(dw, rows: int, capacity: int, methods: list[str] | tuple[str, ...] | None = None, branches: int = 1,
+           heads: str | None = None, **opts) -> AutoDrafter:
+    """The auto drafter over ``methods`` (default: the registered methods marked ``auto_child`` — the
+    drafters that cost no model forwards — and the kinds of draft heads in option ``heads`` when it is
+    given; a draft-model method may be named when a draft model is set), priced by this machine's measured
+    target pass costs (and the draft model's or head's cost per drafted token). A head child drafts a chain."""
+    from ..heads import draft_seconds, pick_heads
+
+    known = registered()
+    if methods is None:
+        names = [n for n, m in known.items() if m.auto_child]
+        for n, m in known.items() if heads else ():
+            if m.heads:
+                with contextlib.suppress(InvalidParameterError):
+                    pick_heads(heads, m.heads)
+                    names.append(n)
+    else:
+        names = list(methods)
+    bad = [n for n in names if n not in known or n in (AutoDrafter.name, "ar") or known[n].heads and not heads]
+    if bad or not names:
+        raise InvalidParameterError(f"method 'auto' chooses among drafting methods; cannot use {bad or names}")
+    children = {n: dw.make_drafter(n, rows, capacity, **opts, **({"heads": heads, "branches": 1}
+                                                                 if known[n].heads else {}))
+                for n in names}
+    draft_cost = {n: dw.per_draft_cost(n) for n in names if known[n].draft_model}
+    draft_cost.update({n: draft_seconds(children[n]) for n in names if known[n].heads})
+    dw.pass_cost(1)  # measured here (once per process), not inside the first decode step
+    return AutoDrafter(children, dw.pass_cost, draft_cost=draft_cost, pooled=dw.auto_arms)
+
+
+register(Method("auto", _build, help="per request and step, the drafter (or none) with the most expected "
+                "tokens per second", takes_heads=True, own_gamma=MAX_GAMMA))

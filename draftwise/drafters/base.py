@@ -3,8 +3,8 @@ knows nothing else about them.
 
 - ``start(seq, *, hidden)``: a sequence was prefilled; set up its per-sequence state (``seq.drafter_state``).
   ``hidden`` (1, D) is the target's final hidden state at the last prompt token (draft heads read it);
-  a drafter with ``wants_prompt_hidden = True`` gets (P, D), every prompt position's (eagle's context);
-  one with ``feature_taps`` (decoder layer indices) gets those layers' outputs after the final state,
+  with ``needs.prompt_hidden`` it is (P, D), every prompt position's (eagle's context); with
+  ``needs.feature_taps`` (decoder layer indices) those layers' outputs follow the final state,
   (.., D * (1 + len(feature_taps))), here and in ``accept`` (an EAGLE-3 head's fused features).
 - ``propose(seqs, ks)``: a draft for each sequence, at most ``ks[i]`` tokens deep (fewer is fine, 0 is
   fine): a chain of tokens, or a token tree (``Draft.parents``) verified in the same single target pass.
@@ -16,13 +16,18 @@ knows nothing else about them.
 - ``release(seq)``: the sequence left the batch.
 - ``move_row(src, dst)``: the engine compacted its batch; per-row resources follow (cache rows).
 
-Optional: ``bind_target_cache(cache)`` — a drafter that drafts with the target's own layers
-(drafters/layerskip.py) is handed the decoder's target KV cache once, when the ``Decoder`` is built. It may
-write only at or past each row's length, and must leave the lengths as it found them.
+What a drafter reads beyond that it declares in ``needs`` (a ``Needs``; default ``NO_NEEDS``), and the
+loop, the auto drafter and the server's wrapper act on the declaration, never on sniffed attributes:
 
-Optional: ``wants_all_logits = True`` — ``accept`` also gets ``draft`` (the draft as fed, after the loop cut
-it to depth and room) and ``all_logits`` (1 + len(draft.tokens), V): the target's scores after the root and
-after every node, accepted or not (drafters/lookahead.py iterates its Jacobi window on them).
+- ``all_logits``: ``accept`` also gets ``draft`` (the draft as fed, after the loop cut it to depth and
+  room) and ``all_logits`` (1 + len(draft.tokens), V): the target's scores after the root and after every
+  node, accepted or not (drafters/lookahead.py iterates its Jacobi window on them).
+- ``prompt_hidden``, ``feature_taps``: as in ``start`` above.
+- ``target_cache``: the drafter drafts with the target's own layers (drafters/layerskip.py) and has
+  ``bind_target_cache(cache)``, called once with the decoder's target KV cache when the ``Decoder`` is
+  built. It may write only at or past each row's length, and must leave the lengths as it found them.
+- ``state_from_target``: its per-sequence state is the target's states given at ``start`` (a draft head),
+  so a wrapper that starts drafters lazily (auto) must start it at the prefill.
 
 Per-sequence state lives on the sequence (``seq.drafter_state``), shared resources (a draft model) on the
 drafter, so a sequence can be forked per branch without touching the drafter.
@@ -35,6 +40,7 @@ from typing import Protocol
 
 import torch
 
+from ..errors import InvalidParameterError
 from ..sequence import Sequence
 
 
@@ -117,8 +123,37 @@ def trie(branches: list[list[int]]) -> Draft:
     return Draft(tokens, parents=parents)
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a drafter reads from the decode loop beyond the protocol (see the module docstring)."""
+
+    all_logits: bool = False  # accept() also gets draft= and all_logits= (every fed node's target scores)
+    prompt_hidden: bool = False  # start() gets every prompt position's state, (P, D), not the last one's
+    feature_taps: tuple[int, ...] = ()  # the target's inner layers appended to every hidden state given
+    target_cache: bool = False  # bind_target_cache(cache) is called once with the target's KV cache
+    state_from_target: bool = False  # its state is the target's states at start (start it at the prefill)
+
+    def __or__(self, other: "Needs") -> "Needs":
+        """Both drafters' needs (a wrapper around several); their feature taps must agree."""
+        if self.feature_taps and other.feature_taps and self.feature_taps != other.feature_taps:
+            raise InvalidParameterError(f"drafters that read different inner layers of the target cannot be "
+                                        f"combined: {self.feature_taps} and {other.feature_taps}")
+        return Needs(self.all_logits or other.all_logits, self.prompt_hidden or other.prompt_hidden,
+                     self.feature_taps or other.feature_taps, self.target_cache or other.target_cache,
+                     self.state_from_target or other.state_from_target)
+
+
+NO_NEEDS = Needs()
+
+
+def needs_of(drafter) -> Needs:
+    """A drafter's declared needs (``NO_NEEDS`` for none, or for a drafter that declares nothing)."""
+    return NO_NEEDS if drafter is None else getattr(drafter, "needs", NO_NEEDS)
+
+
 class Drafter(Protocol):
     name: str
+    needs: Needs  # optional: NO_NEEDS when absent
 
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None: ...
 
@@ -136,6 +171,7 @@ class StatelessDrafter:
     """Convenience base for drafters without per-sequence resources."""
 
     name = "base"
+    needs = NO_NEEDS
 
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
         pass

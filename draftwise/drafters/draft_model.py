@@ -10,6 +10,7 @@ from ..models.base import CausalLM, is_encoder_decoder
 from ..sampling import logits_to_probs, sample, sample_at
 from ..sequence import Sequence
 from .base import Draft
+from .registry import Method, register
 
 
 class DraftModelDrafter:
@@ -147,3 +148,16 @@ def check_compatible(target_tok, draft_tok, target_cfg, draft_cfg) -> None:
     if target_tok.vocab_signature() != draft_tok.vocab_signature():
         raise IncompatibleModelsError("draft and target tokenizers differ (same size, different tokens); "
                                       "a draft model must use the target's tokenizer")
+
+
+def _build(dw, rows: int, capacity: int, **opts):
+    """The draft model's drafter; one with another tokenizer drafts through a vocabulary bridge."""
+    if dw.bridge is not None:
+        from .cross_vocab import CrossVocabDrafter
+
+        return CrossVocabDrafter(dw.draft.model, dw.bridge, rows, capacity, **opts)
+    return DraftModelDrafter(dw.draft.model, rows, capacity, **opts)
+
+
+register(Method("draft", _build, help="a smaller draft model (--draft) proposes tokens", draft_model=True,
+                seq2seq=True, tree_variant=True))

@@ -30,7 +30,8 @@ import torch
 from ..errors import InvalidParameterError
 from ..heads import EagleHead
 from ..sequence import Sequence
-from .base import Draft, StatelessDrafter
+from .base import Draft, Needs, StatelessDrafter
+from .registry import Method, register
 
 
 @dataclass
@@ -54,14 +55,15 @@ class _EagleState:
 
 class EagleDrafter(StatelessDrafter):
     name = "eagle"
-    wants_prompt_hidden = True  # start() gets the target's state at every prompt position (the head's context)
-    reads_hidden = True  # its state is the target's hidden states (auto starts it with the others)
 
     def __init__(self, head: EagleHead, embed, branches: int = 1):
         if not isinstance(branches, int) or branches < 1:
             raise InvalidParameterError(f"branches must be an integer >= 1, got {branches!r}")
         self.head, self.embed, self.branches = head, embed, branches
-        self.feature_taps = head.taps  # the target's inner layers the head reads (the decode loop gives them)
+        # start() gets the target's state at every prompt position (the head's context), with the inner
+        # layers the head reads (the decode loop gives them); its state is those states (auto starts it
+        # with the others)
+        self.needs = Needs(prompt_hidden=True, feature_taps=tuple(head.taps), state_from_target=True)
 
     def _split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(R, D * (1 + taps)) target states -> final features (R, D), taps (R, taps, D) or None."""
@@ -171,3 +173,14 @@ class EagleDrafter(StatelessDrafter):
 
     def release(self, seq: Sequence) -> None:
         seq.drafter_state = None
+
+
+def _build(dw, rows: int, capacity: int, heads: str | None = None, branches: int | None = None,
+           **opts) -> EagleDrafter:
+    """``heads``: None = the target's default heads folder; ``branches``: None = the machine's width."""
+    return EagleDrafter(dw.heads(heads, "eagle"), dw.target.model.embed, branches=branches or dw.head_width(),
+                        **opts)
+
+
+register(Method("eagle", _build, help="an EAGLE head trained on the target (draftwise train-head)", heads="eagle",
+                width_option="branches", takes_heads=True))

@@ -44,7 +44,8 @@ import torch
 from ..errors import InvalidParameterError
 from ..sampling import logits_to_probs, sample, sample_at
 from ..sequence import Sequence
-from .base import Draft, StatelessDrafter
+from .base import Draft, Needs, StatelessDrafter
+from .registry import Method, register
 
 CALIBRATION_VERSION = 1
 # (module, where its snippet starts): code and prose (docstrings, comments) the target continues itself
@@ -107,6 +108,7 @@ class LayerSkipDrafter(StatelessDrafter):
     """
 
     name = "layerskip"
+    needs = Needs(target_cache=True)  # drafts in the target's own KV cache (bind_target_cache)
 
     def __init__(self, model, skip: Iterable[int]):
         if not hasattr(model, "layers"):
@@ -378,3 +380,43 @@ def save_plan(plan: SkipPlan, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(asdict(plan), indent=1))
     tmp.replace(path)
+
+
+
+def plan_for(target, skip: list[int] | None, identity, costs, progress: bool = True) -> "SkipPlan":
+    """The ``SkipPlan`` of a loaded target (a ``LoadedModel``): the layers ``skip`` (parsed) with their
+    draft pass timed; or (None) the set calibrated for this target weight file and format — measured once
+    (``calibrate``, about a minute for the 1.5B target on 2 cores) and kept under ``$DRAFTWISE_HOME/
+    layerskip/`` (``identity()``: the weight file's sha256). ``costs``: the decoder's ``PassCosts``. Says
+    which layers it skips on stderr."""
+    import sys
+
+    from .. import settings
+
+    L = target.config.num_layers
+    if skip is not None:
+        kept = tuple(i for i in range(L) if i not in skip)
+        plan, where = SkipPlan(list(skip), L, measure_draft_ratio(target.model, kept), source="given"), "as given"
+    else:
+        path = plan_path(settings.home(), identity(), target.weights, target.name)
+        plan, where = load_plan(path, L), f"cached in {path}"
+        if plan is None:
+            costs.measure(range(1, CALIBRATION_DEPTH + 2))  # target passes over k + 1 tokens
+            if progress:
+                print(f"draftwise: layerskip: no skip set measured for {target.name} ({target.weights}) "
+                      "yet: calibrating once (about a minute) ...", file=sys.stderr)
+            log = (lambda m: print(f"draftwise: {m}", file=sys.stderr)) if progress else None
+            plan = calibrate(target.model, calibration_prompts(target.tokenizer), lambda T: costs.seconds[T], log=log)
+            plan.target, plan.weights = str(target.name), target.weights
+            save_plan(plan, path)
+            where = f"saved to {path}"
+    print(f"draftwise: layerskip: {plan.describe()} ({where})", file=sys.stderr)
+    return plan
+
+def _build(dw, rows: int, capacity: int, skip_layers=None, branches: int | None = None,
+           **opts) -> LayerSkipDrafter:
+    """Option skip_layers: instead of the plan's set (``dw.layerskip_plan``). A chain drafter: no branches."""
+    return LayerSkipDrafter(dw.target.model, dw.layerskip_plan(skip_layers).skip, **opts)
+
+
+register(Method("layerskip", _build, help="the target drafts with a measured subset of its own layers"))

@@ -27,7 +27,7 @@ draft node — accepting along the chain or a column is as legal as along a pool
 target's argmax; sampling: one-hot q, the multi-branch rejection sampler of verify.py). Sizes: the comb
 is W(N-1)-1 nodes, the verification branch at most G(N-1).
 
-The drafter asks the loop for the target's logits at every fed node (``wants_all_logits``) and finds
+The drafter asks the loop for the target's logits at every fed node (``Needs.all_logits``) and finds
 each column's output by its path; a column the step did not feed (the loop asked for a shallower tree,
 or cut it to the rows' room) keeps its tokens.
 
@@ -52,12 +52,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidParameterError
+from ..models.base import MAX_TREE_TOKENS
 from ..sequence import Sequence
-from .base import Draft, trie
+from .base import Draft, Needs, trie
+from .registry import Method, register
 
 WINDOW, NGRAM, GUESSES = 1, 3, 1  # defaults: the smallest window with n-gram trajectories (see above)
 POOL_SIZE = 8  # continuations kept per first token
-MAX_NODES = 31  # a tree step feeds at most decode.MAX_TREE_TOKENS - 1 nodes
+MAX_NODES = MAX_TREE_TOKENS - 1  # a tree step feeds the root and at most this many nodes
 
 
 @dataclass
@@ -85,7 +87,7 @@ class LookaheadDrafter:
     """Lookahead decoding as a drafter: ``window`` W, ``ngram`` N (2..), ``guesses`` G n-grams verified."""
 
     name = "lookahead"
-    wants_all_logits = True  # accept() gets the target's logits at every fed node (``draft``, ``all_logits``)
+    needs = Needs(all_logits=True)  # accept() gets the target's logits at every fed node (``draft``, ``all_logits``)
 
     def __init__(self, window: int = WINDOW, ngram: int = NGRAM, guesses: int = GUESSES, *,
                  pool_size: int = POOL_SIZE, seed: int = 0):
@@ -192,3 +194,12 @@ class LookaheadDrafter:
         for s in range(st.upto, len(toks) - n + 1):
             self._pool(st, toks[s], tuple(toks[s + 1:s + n]), toks[s - 1] if s > 0 else -1)
         st.upto = max(st.upto, len(toks) - n + 1)
+
+
+def _options(width: int | None, heads: str | None, lookahead: str | None) -> dict:
+    return parse_lookahead(lookahead) if lookahead is not None else {}  # --tree-width is not lookahead's
+
+
+register(Method("lookahead", lambda dw, rows, capacity, **opts: LookaheadDrafter(**opts),
+                help="Jacobi window + n-gram pool verified in the same pass", options=_options,
+                own_gamma=MAX_TREE_TOKENS - 1))  # W, N, G size the tree; the window must be fed every step

@@ -14,12 +14,13 @@ import torch
 from ..errors import InvalidParameterError
 from ..heads import MedusaHeads, best_first_tree
 from ..sequence import Sequence
-from .base import Draft, StatelessDrafter
+from .base import Draft, Needs, StatelessDrafter
+from .registry import Method, register
 
 
 class MedusaDrafter(StatelessDrafter):
     name = "medusa"
-    reads_hidden = True  # its state is the target's hidden state (auto starts it with the others)
+    needs = Needs(state_from_target=True)  # its state is the target's hidden state (auto starts it with the others)
 
     def __init__(self, heads: MedusaHeads, branches: int = 3):
         if not isinstance(branches, int) or branches < 1:
@@ -48,3 +49,13 @@ class MedusaDrafter(StatelessDrafter):
     def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,
                path: list[int] | None = None, hidden: torch.Tensor | None = None) -> None:
         seq.drafter_state = hidden[-1:, :self.heads.cfg.hidden_size].float()  # the row that produced the last token
+
+
+def _build(dw, rows: int, capacity: int, heads: str | None = None, branches: int | None = None,
+           **opts) -> MedusaDrafter:
+    """``heads``: None = the target's default heads folder; ``branches``: None = the machine's width."""
+    return MedusaDrafter(dw.heads(heads, "medusa"), branches=branches or dw.head_width(), **opts)
+
+
+register(Method("medusa", _build, help="Medusa heads trained on the target (draftwise train-head)", heads="medusa",
+                width_option="branches", takes_heads=True))

@@ -23,6 +23,7 @@ import torch
 from ..errors import InvalidParameterError
 from ..sequence import Sequence
 from .base import Draft, StatelessDrafter, trie
+from .registry import Method, register
 
 
 class _Table:
@@ -139,3 +140,8 @@ class NASDDrafter(StatelessDrafter):
             end = off + n_before + i
             st.fill(toks[max(0, end - st.max_ctx):end], top[i].tolist(), weights)
         st.observe(toks)
+
+
+register(Method("nasd", lambda dw, rows, capacity, **opts: NASDDrafter(**opts),
+                help="n-gram tables built from the request's own tokens", seq2seq=True, auto_child=True,
+                tree_variant=True))

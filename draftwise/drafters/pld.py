@@ -14,6 +14,7 @@ import torch
 from ..errors import InvalidParameterError
 from ..sequence import Sequence
 from .base import Draft, StatelessDrafter, trie
+from .registry import Method, register
 
 
 @dataclass
@@ -76,3 +77,8 @@ def _continuation(toks: list[int], pos: int, k: int) -> list[int]:
     while len(draft) < k:
         draft.append(ext[len(draft)] if len(draft) < len(ext) else draft[len(draft) - len(ext)])
     return draft
+
+
+register(Method("pld", lambda dw, rows, capacity, **opts: PromptLookupDrafter(**opts),
+                help="prompt lookup: continuations of n-grams found in the prompt and output", seq2seq=True,
+                auto_child=True, tree_variant=True))

@@ -45,6 +45,7 @@ import torch
 from ..errors import InvalidParameterError
 from ..sequence import Sequence
 from .base import Draft
+from .registry import Method, register
 
 SEP = -1  # between sequences in a store, and after a request's last token: never a token
 MAX_NODES = 6  # default node budget: verifying T tokens costs ~T/2 passes on AVX2, so small trees
@@ -298,3 +299,12 @@ class SuffixDrafter:
 
     def move_row(self, src: int, dst: int) -> None:
         pass
+
+
+def _build(dw, rows: int, capacity: int, share: bool = True, **opts) -> SuffixDrafter:
+    """Option share=False: this request's own tokens only (else also earlier requests', ``dw.suffix_cache``)."""
+    return SuffixDrafter(dw.suffix_cache if share else None, **opts)
+
+
+register(Method("suffix", _build, help="SuffixDecoding: trees from this request and earlier ones",
+                auto_child=True, width_option="max_nodes"))

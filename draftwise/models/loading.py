@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import settings
 from ..errors import InvalidParameterError, ModelNotFoundError
 from .base import ModelConfig
 from .registry import draftwise_home
@@ -359,7 +360,7 @@ def keep_converted() -> bool:
     """``DRAFTWISE_KEEP_CONVERTED=1``: also store the kernel's code of a GGUF as a converted safetensors copy
     (~1.4x the GGUF on disk), which later loads memory-map: start-up skips the re-pack (~0.5 s for the
     1.5B) and processes serving the same model share those pages. Default: the GGUF is the only copy."""
-    return os.environ.get("DRAFTWISE_KEEP_CONVERTED", "").strip() == "1"
+    return settings.keep_converted()
 
 
 def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep: bool | None = None):

@@ -11,7 +11,6 @@ stay only when assembly or the check fails).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import subprocess
@@ -20,11 +19,13 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import settings
+from ..digest import sha256_file
 from ..errors import DownloadError, ModelNotFoundError
 
 
 def draftwise_home() -> Path:
-    return Path(os.environ.get("DRAFTWISE_HOME", Path.home() / ".cache" / "draftwise")).expanduser()
+    return settings.home()
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,6 @@ MODELS: dict[str, NamedModel] = {
         ),
     ]
 }
-
-
-def sha256_file(path: Path, progress: bool = False) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f, _bar(path.stat().st_size, f"sha256 {path.name}", progress) as bar:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            bar.update(len(chunk))
-    return h.hexdigest()
 
 
 def _bar(total: int, desc: str, enabled: bool):

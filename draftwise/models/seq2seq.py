@@ -22,7 +22,7 @@ import torch
 
 from ..errors import InvalidParameterError, PromptTooLongError
 from .base import LogitsFor, ModelConfig, ModelOutput
-from .hf import HFCache, begin_forward, select_positions
+from .hf_common import HFCache, begin_forward, select_positions
 
 
 class Seq2SeqCache(HFCache):

@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..digest import sha256_file
 from ..errors import InvalidParameterError
 
 _EOS_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
@@ -30,12 +31,9 @@ def _rust_tokenizer(tok_file: Path):
     the target's family (Qwen2.5 0.5B / 1.5B) reuses the target's instead of parsing 11 MB of JSON again
     (~0.5-0.8 s), and a draft with the very same tokenizer object needs no vocabulary comparison
     (``check_compatible``). Nothing in draftwise changes a tokenizer after loading it."""
-    import hashlib
-
     from tokenizers import Tokenizer as RustTokenizer
 
-    with open(tok_file, "rb") as f:
-        key = hashlib.file_digest(f, "sha256").hexdigest()
+    key = sha256_file(tok_file)
     with _RUST_LOAD:
         if key not in _RUST:
             _RUST[key] = RustTokenizer.from_file(str(tok_file))

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import bulk, extension
-from .base import KVCache, LogitsFor, ModelConfig, ModelOutput
+from .base import MAX_TREE_TOKENS, KVCache, LogitsFor, ModelConfig, ModelOutput
 
-EXACT_MAX_T = 32  # forwards of at most this many new tokens use the row-by-row (invariant) attention
+EXACT_MAX_T = MAX_TREE_TOKENS  # forwards of at most this many new tokens use the row-by-row (invariant) attention
 
 
 def _fused_ops(t: torch.Tensor):

@@ -18,9 +18,8 @@ from dataclasses import asdict, dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..api import uses_draft_model
-from .cli import engine_config, load
-from .engine import Engine, with_overrides
+from ..api import ModelSpec, build_decoder, setup_threads, uses_draft_model
+from .engine import Engine, engine_config, with_overrides
 from .server import BackgroundServer
 
 PROMPTS = [
@@ -207,7 +206,8 @@ def _bench_in_process(args) -> list[LevelResult]:
         raise InvalidParameterError(f"unknown mode(s) {', '.join(bad)}; choose from ar, fixed, adaptive")
     if cfg.method == "ar":
         modes = ["ar"]
-    dw = load(args, cfg.method)
+    setup_threads(args.threads)
+    dw = build_decoder(ModelSpec.from_args(args), method=cfg.method)
     model = args.target
     print(f"bench-serve: target {args.target}" + (f", draft {args.draft}" if uses_draft_model(cfg.method) else "")
           + f", method {cfg.method}, γ ≤ {cfg.gamma}, max_tokens {args.max_tokens}, "

@@ -40,9 +40,10 @@ from typing import Callable
 
 import torch
 
-from ..api import AUTO, LOOKAHEAD, METHODS, SpeculativeDecoder, output_text, uses_draft_model
+from ..api import SpeculativeDecoder, output_text, uses_draft_model
+from ..drafters import registry
 from ..decode import Decoder, FixedGamma, GammaPolicy
-from ..drafters.base import Draft, Drafter
+from ..drafters.base import Draft, Drafter, Needs, needs_of
 from ..errors import DraftwiseError, InvalidParameterError
 from ..gamma import AdaptiveGamma
 from ..sequence import Sequence
@@ -169,16 +170,8 @@ class ServeDrafter:
         return [Draft([]) for _ in seqs]
 
     @property
-    def wants_all_logits(self) -> bool:  # lookahead: the target's logits at every node fed
-        return getattr(self.inner, "wants_all_logits", False)
-
-    @property
-    def wants_prompt_hidden(self) -> bool:  # eagle: the target's states at every prompt position
-        return getattr(self.inner, "wants_prompt_hidden", False)
-
-    @property
-    def feature_taps(self) -> tuple[int, ...]:  # eagle with fused features: the target's inner layers
-        return tuple(getattr(self.inner, "feature_taps", ()) or ())
+    def needs(self) -> Needs:  # what the wrapped drafter reads (drafters/base.py): the loop gives it here
+        return needs_of(self.inner)
 
     def accept(self, seq, n_before, num_accepted, target_logits, *, path=None, hidden=None, **every) -> None:
         if seq.attached:
@@ -192,9 +185,8 @@ class ServeDrafter:
     def move_row(self, src: int, dst: int) -> None:
         self.inner.move_row(src, dst)
 
-    def bind_target_cache(self, cache) -> None:
-        if hasattr(self.inner, "bind_target_cache"):  # layerskip drafts in the target's own cache
-            self.inner.bind_target_cache(cache)
+    def bind_target_cache(self, cache) -> None:  # called when needs.target_cache (layerskip)
+        self.inner.bind_target_cache(cache)
 
 
 @dataclass
@@ -210,8 +202,7 @@ class EngineConfig:
     drafter_options: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        if self.method not in METHODS:
-            raise InvalidParameterError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        registry.get(self.method)  # an unknown method: a clear error naming the registered ones
         if self.gamma_policy not in ("adaptive", "fixed"):
             raise InvalidParameterError(f"gamma policy must be adaptive or fixed, got {self.gamma_policy!r}")
         for name, lo in (("gamma", 1), ("max_batch", 1), ("max_queue", 0), ("max_prefill_tokens", 1)):
@@ -273,8 +264,9 @@ class Engine:
         self._off_steps = 0  # consecutive steps the policy found speculation not paying
 
     def _make_policy(self) -> GammaPolicy:
-        # auto chooses each row's depth itself; lookahead's window must be fed at every step (W, N, G size it)
-        if self.cfg.gamma_policy == "fixed" or self.method in (AUTO, LOOKAHEAD):
+        # a method that sizes its own drafts (auto chooses each row's depth; lookahead's window must be fed
+        # at every step) takes γ as its deepest draft
+        if self.cfg.gamma_policy == "fixed" or registry.get(self.method).own_gamma is not None:
             return FixedGamma(self.cfg.gamma)
         policy = AdaptiveGamma(self.cfg.gamma, explore_every=DRAFTER_SYNC_STEPS, cap=lambda s: s.gamma_cap,
                                ready=lambda seqs: self.drafter is not None and self.drafter.ready(seqs))
@@ -554,3 +546,14 @@ class Engine:
 
 def with_overrides(cfg: EngineConfig, **changes) -> EngineConfig:
     return dataclasses.replace(cfg, **changes)
+
+
+def engine_config(args) -> EngineConfig:
+    """The engine's settings from parsed ``serve`` / ``bench-serve`` options (any object with their names)."""
+    if args.max_queue < 0:
+        raise InvalidParameterError(f"--max-queue must be >= 0, got {args.max_queue}")
+    return EngineConfig(method=args.method, gamma=args.gamma, gamma_policy=args.gamma_policy,
+                        kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch, max_model_len=args.max_model_len,
+                        max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
+                        drafter_options=registry.drafter_options(args.method, args.tree_width, args.heads,
+                                                                 args.lookahead))

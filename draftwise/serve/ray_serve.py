@@ -24,6 +24,8 @@ import os
 import sys
 import time
 
+from .. import settings
+
 APP_NAME = "draftwise"
 DEPLOYMENT = "draftwise"
 
@@ -31,16 +33,18 @@ DEPLOYMENT = "draftwise"
 def spec_from_args(args) -> dict:
     """What a replica needs to build its engine, as plain data (shipped to every replica)."""
     from ..errors import InvalidParameterError
-    from .cli import engine_config
+    from .engine import engine_config
 
     cfg = engine_config(args)
     cfg.validate()
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise InvalidParameterError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    from ..api import ModelSpec
+
+    model = ModelSpec.from_args(args)
     return {
-        "target": args.target, "draft": args.draft, "dtype": args.dtype, "draft_dtype": args.draft_dtype,
-        "backend": args.backend, "skip_layers": args.skip_layers, "threads": threads,
+        "model": dataclasses.asdict(model), "target": model.target, "threads": threads,
         "engine": dataclasses.asdict(cfg), "name": args.served_model_name or args.target,
         "api_key": args.api_key, "replicas": args.replicas, "max_queued_requests": args.max_queued_requests,
     }
@@ -52,15 +56,13 @@ class DraftwiseReplica:
     def __init__(self, spec: dict):
         import torch
 
-        from ..api import SpeculativeDecoder, uses_draft_model
+        from ..api import ModelSpec, build_decoder
         from .app import create_app
         from .engine import Engine, EngineConfig
 
         torch.set_num_threads(spec["threads"])
         cfg = EngineConfig(**spec["engine"])
-        dw = SpeculativeDecoder(spec["target"], spec["draft"] if uses_draft_model(cfg.method) else None,
-                                dtype=spec["dtype"], draft_dtype=spec["draft_dtype"], backend=spec["backend"],
-                                skip_layers=spec["skip_layers"], progress=False)
+        dw = build_decoder(ModelSpec(**spec["model"]), method=cfg.method, progress=False)
         self.engine = Engine(dw, cfg)
         self._app = create_app(self.engine, spec["name"], spec["api_key"])
 
@@ -89,21 +91,6 @@ def deployment(spec: dict):
     return dep.bind(spec)
 
 
-def build_app(args: dict):
-    """Application builder for Ray's own CLI and config files::
-
-        serve run draftwise.serve.ray_serve:build_app target=smollm2-135m-instruct method=pld replicas=2
-
-    Keys are ``draftwise serve``'s options without the dashes (``max-batch=8`` or ``max_batch=8``)."""
-    argv = ["serve"]
-    for k, v in args.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    from ..cli import build_parser
-
-    parsed = build_parser().parse_args(argv)
-    return deployment(spec_from_args(parsed))
-
-
 def prepare_models(spec: dict) -> None:
     """Download and convert the models once, in this process, before replicas start: N replicas must not
     convert the same file at once. A converted copy of a GGUF is kept (unless ``DRAFTWISE_KEEP_CONVERTED``
@@ -112,12 +99,13 @@ def prepare_models(spec: dict) -> None:
     from ..api import uses_draft_model
     from ..models import load_model
 
-    names = [(spec["target"], spec["dtype"])]
-    if uses_draft_model(spec["engine"]["method"]):
-        names.append((spec["draft"], spec["draft_dtype"] or spec["dtype"]))
+    m = spec["model"]
+    names = [(m["target"], m["dtype"])]
+    if uses_draft_model(spec["engine"]["method"]) and m["draft"]:
+        names.append((m["draft"], m["draft_dtype"] or m["dtype"]))
     for name, dtype in names:
-        keep = os.environ.get("DRAFTWISE_KEEP_CONVERTED", "1").strip() == "1"  # shared pages by default here
-        load_model(name, dtype, spec["backend"], progress=True, keep_converted=keep)
+        keep = settings.keep_converted(default=True)  # shared pages by default here
+        load_model(name, dtype, m["backend"], progress=True, keep_converted=keep)
 
 
 def cmd_serve_ray(args) -> int:

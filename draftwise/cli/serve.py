@@ -1,93 +1,54 @@
-"""``draftwise serve`` and ``draftwise bench-serve``: their arguments and entry points.
-
-``draftwise.cli`` only adds these parsers and dispatches here; FastAPI / uvicorn are imported when a
-command runs, so the rest of the CLI works without the ``serve`` extra.
-"""
+"""``draftwise serve`` and ``draftwise bench-serve``: their options and entry points. FastAPI / uvicorn
+are imported when a command runs, so the rest of the CLI works without the ``serve`` extra."""
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import sys
 
-from ..api import tree_options, tree_width_help
-from ..errors import DraftwiseError, InvalidParameterError
+from .. import settings
+from ..api import build_decoder
+from ..drafters import registry
+from ..errors import DraftwiseError
+from . import common
 
 COMMANDS = ("serve", "bench-serve")
+SERVE_HELP = "OpenAI-compatible HTTP server with continuous batching"
+BENCH_HELP = "load-test the server in-process: requests/s and tokens/s at several concurrencies, with and without speculation"
 
 
-def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
-
-
-def lookahead_spec(s: str) -> str:
-    """argparse type of ``--lookahead W,N,G`` (checked now, parsed into drafter options by tree_options)."""
-    from ..drafters.lookahead import parse_lookahead
-
-    try:
-        parse_lookahead(s)
-    except InvalidParameterError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return s
-
-
-def lookahead_help() -> str:
-    from ..drafters.lookahead import GUESSES, NGRAM, WINDOW
-
-    return (f"--method lookahead: Jacobi window W, n-gram size N, n-grams verified per step G (default "
-            f"{WINDOW},{NGRAM},{GUESSES}); a step feeds (W+G)(N-1) tokens")
-
-
-def _int_list(s: str) -> list[int]:
-    try:
-        vals = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {s!r}")
-    return vals
-
-
-def _engine_args(p: argparse.ArgumentParser, methods) -> None:
-    p.add_argument("--method", default="auto", choices=methods, help="drafting method (default auto); "
-                   "requests may also ask for plain decoding ('ar')")
-    p.add_argument("--gamma", type=positive_int, default=4, help="largest draft length (default 4)")
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default=common.SERVE_DEFAULT_METHOD, choices=registry.names(),
+                   help=f"drafting method (default {common.SERVE_DEFAULT_METHOD}); requests may also ask for "
+                        "plain decoding ('ar')")
+    p.add_argument("--gamma", type=common.positive_int, default=4, help="largest draft length (default 4)")
     p.add_argument("--gamma-policy", default="adaptive", choices=["adaptive", "fixed"],
                    help="adaptive (default): γ in [0, --gamma] maximising measured tokens/s, 0 turns "
                         "speculation off under load; fixed: always --gamma")
     p.add_argument("--kv-cache-mb", type=float, default=2048.0,
                    help="memory for the target + draft KV caches; sets the number of cache rows (default 2048)")
-    p.add_argument("--max-batch", type=positive_int, default=16, help="most sequences decoded together (default 16)")
-    p.add_argument("--max-model-len", type=positive_int, default=None,
+    p.add_argument("--max-batch", type=common.positive_int, default=16, help="most sequences decoded together (default 16)")
+    p.add_argument("--max-model-len", type=common.positive_int, default=None,
                    help="context per sequence, prompt + output (default: the model's, at most 4096)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a free row; more are refused with 503 (default 64)")
-    p.add_argument("--tree-width", type=positive_int, default=None,
-                   help=tree_width_help())
-    p.add_argument("--max-prefill-tokens", type=positive_int, default=2048,
+    p.add_argument("--max-prefill-tokens", type=common.positive_int, default=2048,
                    help="prompt tokens prefilled between two decode steps (default 2048)")
-    p.add_argument("--lookahead", type=lookahead_spec, default=None, metavar="W,N,G", help=lookahead_help())
+    common.add_tree_args(p)
 
 
-def add_parsers(sub, model_args, methods) -> None:
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    model_args(s)
-    _engine_args(s, methods)
+def add_serve_arguments(s: argparse.ArgumentParser) -> None:
+    common.add_model_args(s)
+    _engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("DRAFTWISE_API_KEY"),
+    s.add_argument("--api-key", default=settings.api_key(),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DRAFTWISE_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     r = s.add_argument_group("scale-out (Ray Serve; pip install 'draftwise[ray]')")
-    r.add_argument("--replicas", type=positive_int, default=1,
+    r.add_argument("--replicas", type=common.positive_int, default=1,
                    help="engine replicas behind one route as a Ray Serve deployment (default 1: this process "
                         "serves alone, no Ray); each replica gets --threads CPUs (default: cores / replicas)")
     r.add_argument("--ray-address", default=None, metavar="ADDR",
@@ -97,14 +58,14 @@ def add_parsers(sub, model_args, methods) -> None:
                    help="requests that may wait at Ray Serve's proxy when every replica is busy; more are "
                         "refused with 503 (default: no bound there; each engine still bounds its own queue)")
 
-    b = sub.add_parser("bench-serve", help="load-test the server in-process: requests/s and tokens/s at "
-                                           "several concurrencies, with and without speculation")
-    model_args(b)
-    _engine_args(b, methods)
-    b.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="comma-separated (default 1,4,16)")
-    b.add_argument("--requests", type=positive_int, default=None,
+
+def add_bench_arguments(b: argparse.ArgumentParser) -> None:
+    common.add_model_args(b)
+    _engine_args(b)
+    b.add_argument("--concurrency", type=common.int_list, default=[1, 4, 16], help="comma-separated (default 1,4,16)")
+    b.add_argument("--requests", type=common.positive_int, default=None,
                    help="requests per concurrency level (default: max(4, 2 × concurrency))")
-    b.add_argument("--max-tokens", type=positive_int, default=64, help="output tokens per request (default 64)")
+    b.add_argument("--max-tokens", type=common.positive_int, default=64, help="output tokens per request (default 64)")
     b.add_argument("--modes", default="ar,fixed,adaptive",
                    help="comma-separated: ar (no speculation), fixed (γ = --gamma), adaptive (default: all)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -115,7 +76,7 @@ def add_parsers(sub, model_args, methods) -> None:
                                                             "(default: --target)")
 
 
-def main(args) -> int:
+def run(args) -> int:
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -124,34 +85,14 @@ def main(args) -> int:
         return 2
     if args.command == "serve":
         return cmd_serve(args)
-    from .bench import cmd_bench_serve
+    from ..serve.bench import cmd_bench_serve
 
     return cmd_bench_serve(args)
 
 
-def engine_config(args):
-    from .engine import EngineConfig
-
-    if args.max_queue < 0:
-        raise InvalidParameterError(f"--max-queue must be >= 0, got {args.max_queue}")
-    return EngineConfig(method=args.method, gamma=args.gamma, gamma_policy=args.gamma_policy,
-                        kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch, max_model_len=args.max_model_len,
-                        max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
-                        drafter_options=tree_options(args.method, args.tree_width, args.heads, args.lookahead))
-
-
-def load(args, method: str):
-    from ..api import SpeculativeDecoder, uses_draft_model
-    from ..cli import _setup_threads
-
-    _setup_threads(args)
-    return SpeculativeDecoder(args.target, args.draft if uses_draft_model(method) else None, dtype=args.dtype,
-                              draft_dtype=args.draft_dtype, backend=args.backend, skip_layers=args.skip_layers)
-
-
 def cmd_serve(args) -> int:
-    from .engine import Engine
-    from .server import run_server
+    from ..serve.engine import Engine, engine_config
+    from ..serve.server import run_server
 
     cfg = engine_config(args)
     cfg.validate()  # before loading anything
@@ -159,10 +100,11 @@ def cmd_serve(args) -> int:
         print(f"draftwise: warning: serving on {args.host} without --api-key: anyone who can reach this "
               "address can use the server", file=sys.stderr)
     if args.replicas > 1 or args.ray_address:
-        from .ray_serve import cmd_serve_ray
+        from ..serve.ray_serve import cmd_serve_ray
 
         return cmd_serve_ray(args)
-    dw = load(args, cfg.method)
+    common.threads(args)
+    dw = build_decoder(common.model_spec(args), method=cfg.method)
     engine = Engine(dw, cfg)
     name = args.served_model_name or args.target
     print(f"draftwise: serving {name!r} (method {cfg.method}, γ ≤ {cfg.gamma} {cfg.gamma_policy}) on "
@@ -182,3 +124,19 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def build_app(args: dict):
+    """Application builder for Ray's own CLI and config files::
+
+        serve run draftwise.cli.serve:build_app target=smollm2-135m-instruct method=pld replicas=2
+
+    Keys are ``draftwise serve``'s options without the dashes (``max-batch=8`` or ``max_batch=8``)."""
+    from ..serve.ray_serve import deployment, spec_from_args
+
+    argv = []
+    for k, v in args.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    p = argparse.ArgumentParser(prog="draftwise serve")
+    add_serve_arguments(p)
+    return deployment(spec_from_args(p.parse_args(argv)))

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from rich.markup import escape
-
+import argparse
 import sys
 
 from rich.console import Console
 
-from .api import METHODS, SpeculativeDecoder, tree_options
-from .cli import LEGEND, _params, _setup_threads, render, summary_line
-from .errors import DraftwiseError
+from ..api import SpeculativeDecoder, build_decoder, tree_options
+from ..drafters import registry
+from ..errors import DraftwiseError
+from . import common
+from .render import print_result
 
 HELP = """commands:
   /method NAME     drafting method: {methods}
@@ -23,6 +24,9 @@ HELP = """commands:
   /settings        show the current settings
   /help            this text
   /quit            leave"""
+
+
+COMMAND_HELP = "interactive session (/help inside)"
 
 
 class ChatSession:
@@ -39,12 +43,11 @@ class ChatSession:
 
     def generate(self, prompt: str, method: str | None = None, show: bool = True):
         method = method or self.method
-        res = self.dw.generate(prompt, _params(self.args), method=method, gamma=self.gamma, chat=self.chat,
+        res = self.dw.generate(prompt, common.sampling_params(self.args), method=method, gamma=self.gamma, chat=self.chat,
                                drafter_options=tree_options(method, self.args.tree_width, self.args.heads,
                                                             self.args.lookahead))
         if show:
-            render(res, self.dw.tokenizer, self.console, colour=self.colour)
-            self.console.print(f"[dim]{escape(summary_line(res))}[/]{LEGEND if self.colour else ''}")
+            print_result(res, self.dw.tokenizer, self.console, colour=self.colour)
         self.last = res
         return res
 
@@ -58,10 +61,10 @@ class ChatSession:
         if cmd in ("/quit", "/exit", "/q"):
             return False
         if cmd == "/help":
-            self.console.print(HELP.format(methods=", ".join(METHODS)), markup=False)
+            self.console.print(HELP.format(methods=", ".join(registry.names())), markup=False)
         elif cmd == "/method":
-            if arg not in METHODS:
-                self.console.print(f"unknown method {arg!r}; choose one of {', '.join(METHODS)}")
+            if registry.find(arg or "") is None:
+                self.console.print(f"unknown method {arg!r}; choose one of {', '.join(registry.names())}")
             else:
                 self.method = arg
         elif cmd == "/gamma":
@@ -76,7 +79,7 @@ class ChatSession:
             old = getattr(a, name)
             try:
                 setattr(a, name, conv(arg))
-                _params(a)  # validate
+                common.sampling_params(a)  # validate
             except (TypeError, ValueError, DraftwiseError) as e:
                 setattr(a, name, old)
                 self.console.print(f"not changed: {e}", markup=False)
@@ -102,7 +105,7 @@ class ChatSession:
         if self.last_prompt is None:
             self.console.print("type a prompt first")
             return
-        if method not in METHODS:
+        if registry.find(method) is None:
             self.console.print(f"unknown method {method!r}")
             return
         ar = self.generate(self.last_prompt, "ar", show=False)
@@ -139,10 +142,14 @@ class ChatSession:
                 self.console.print(f"error: {e}", markup=False)
 
 
-def run_chat(args) -> int:
-    _params(args)
-    _setup_threads(args)
-    console = Console(highlight=False)
-    dw = SpeculativeDecoder(args.target, args.draft, dtype=args.dtype, backend=args.backend,
-                            skip_layers=args.skip_layers)
-    return ChatSession(dw, args, console).loop()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_model_args(p)
+    common.add_sampling_args(p)
+
+
+def run(args) -> int:
+    common.sampling_params(args)  # validate before loading anything
+    common.threads(args)
+    # the draft model (with --draft-dtype) is loaded when a method first drafts with it: /method can change
+    dw = build_decoder(common.model_spec(args))
+    return ChatSession(dw, args, Console(highlight=False)).loop()

@@ -1,0 +1,144 @@
+"""What the commands share: argument types, the model / sampling / γ option groups, the defaults (one
+place each), thread set-up and the model spec built from the options."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..api import DEFAULT_DRAFT, DEFAULT_TARGET, ModelSpec, setup_threads, tree_width_help
+from ..drafters import registry
+from ..errors import InvalidParameterError
+from ..gamma import parse_gamma
+
+DEFAULT_METHOD = "auto"  # --method of generate and chat
+SERVE_DEFAULT_METHOD = "auto"  # --method of serve and bench-serve
+WEIGHT_FORMATS = ["auto", "gguf", "int8", "int4", "bf16", "fp32"]
+
+
+# ---- argument types: a bad value is one line from argparse, exit status 2 --------------------------------
+def gamma_arg(s: str) -> int | str:
+    """``--gamma``: an integer >= 1 or auto."""
+    try:
+        return parse_gamma(s)
+    except InvalidParameterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def int_list(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {s!r}")
+    return vals
+
+
+def lookahead_spec(s: str) -> str:
+    """``--lookahead W,N,G`` (checked now, parsed into drafter options by ``tree_options``)."""
+    from ..drafters.lookahead import parse_lookahead
+
+    try:
+        parse_lookahead(s)
+    except InvalidParameterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
+def lookahead_help() -> str:
+    from ..drafters.lookahead import GUESSES, NGRAM, WINDOW
+
+    return (f"--method lookahead: Jacobi window W, n-gram size N, n-grams verified per step G (default "
+            f"{WINDOW},{NGRAM},{GUESSES}); a step feeds (W+G)(N-1) tokens")
+
+
+def skip_layers_arg(s: str) -> str:
+    from ..drafters.layerskip import parse_skip_layers
+
+    try:
+        parse_skip_layers(s, 1 << 20)  # the syntax now; the range once the target is loaded
+    except InvalidParameterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
+# ---- option groups ------------------------------------------------------------------------------------
+def add_target_arg(p: argparse.ArgumentParser, help: str = "model") -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"{help} (default {DEFAULT_TARGET})")
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model spec's options (``model_spec``) and --threads."""
+    add_target_arg(p, "model name, GGUF file, HF folder or hub id")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --method draft (default {DEFAULT_DRAFT})")
+    p.add_argument("--heads", default=None, help="draft heads for --method medusa / eagle: a folder from `draftwise train-head`, or "
+                        "several separated by commas (each method takes the heads of its kind); default: the "
+                        "ones `draftwise train-head` wrote for the target without --out")
+    p.add_argument("--dtype", default="auto", choices=WEIGHT_FORMATS,
+                   help="weight format: auto (a GGUF keeps its own quantization, exact; else bf16), gguf, "
+                        "int8 / int4 (round-to-nearest, groups of 32), bf16, fp32")
+    p.add_argument("--draft-dtype", default=None, choices=WEIGHT_FORMATS,
+                   help="weight format of the draft model (default: as --dtype); its precision only moves the "
+                        "acceptance rate, never the output")
+    p.add_argument("--backend", default="native", choices=["native", "hf"],
+                   help="native PyTorch Llama/Qwen2 (default) or any HF AutoModelForCausalLM")
+    add_threads_arg(p)
+    p.add_argument("--skip-layers", type=skip_layers_arg, default=None, metavar="LAYERS",
+                   help="--method layerskip: the target's layers its drafts skip, e.g. 3,5,7-12 (default: the "
+                        "set calibrated once for the target and cached in $DRAFTWISE_HOME/layerskip)")
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    """--tree-width and --lookahead: the drafter options every command takes (``tree_options``)."""
+    p.add_argument("--tree-width", type=positive_int, default=None, help=tree_width_help())
+    p.add_argument("--lookahead", type=lookahead_spec, default=None, metavar="W,N,G", help=lookahead_help())
+
+
+def add_sampling_args(p: argparse.ArgumentParser, methods: tuple[str, ...] | None = None) -> None:
+    """--method (the registered methods, or ``methods``), --gamma, the sampling parameters, the tree options."""
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=methods or registry.names(),
+                   help=f"drafting method (default {DEFAULT_METHOD}: per request and step, the best of pld, nasd, "
+                        "suffix and the heads given by --heads, or none)")
+    p.add_argument("--gamma", type=gamma_arg, default="auto",
+                   help="draft tokens per step, or auto (default): chosen each step from the measured cost of "
+                        "verifying k tokens and the running acceptance")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_tree_args(p)
+
+
+# ---- from options to objects ------------------------------------------------------------------------------
+def sampling_params(args):
+    """The SamplingParams of the options (checked: a bad value is a clear error before anything loads)."""
+    from ..sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
+
+
+def model_spec(args) -> ModelSpec:
+    """The model spec of the options (``--target``, ``--draft``, ``--dtype``, ...)."""
+    return ModelSpec.from_args(args)
+
+
+def threads(args) -> None:
+    """torch's CPU threads from --threads (default: every core)."""
+    setup_threads(getattr(args, "threads", None))

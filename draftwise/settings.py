@@ -1,0 +1,94 @@
+"""Every ``DRAFTWISE_*`` environment variable, read here and nowhere else (``tests/test_layers.py`` checks).
+
+| variable                      | read by                          | effect                                                     |
+|-------------------------------|----------------------------------|------------------------------------------------------------|
+| `DRAFTWISE_HOME`              | models, heads, layerskip, kernels | cache folder (default `~/.cache/draftwise`)                |
+| `DRAFTWISE_API_KEY`           | `draftwise serve`                | default of `--api-key` (unset: no key)                     |
+| `DRAFTWISE_KEEP_CONVERTED`    | model loading                    | `1`: keep a converted safetensors copy of a GGUF; `0`: do not. Unset: a single process keeps none, `serve --replicas` keeps one (the replicas share its pages) |
+| `DRAFTWISE_ISA`               | kernels (Python and C++)         | force a kernel path (`scalar`, `avx2`, ...; `auto`)        |
+| `DRAFTWISE_NO_KERNELS`        | kernels                          | `1`: do not build / use the C++ kernel (torch ops only)    |
+| `DRAFTWISE_PREFILL`           | kernels                          | `gemm` or `kernel`: force how long prefills run            |
+| `DRAFTWISE_EXACT_ACTIVATIONS` | kernels                          | `1`: fp32 activations for quantized weights (not int8)     |
+| `DRAFTWISE_TUNE`              | kernels                          | `0`: skip timing the kernel paths for multi-row calls      |
+
+``install.sh`` reads two more, as shell variables at install time only: ``DRAFTWISE_PEERS=1`` (same as
+``--peers``) and ``DRAFTWISE_PEERS_REBUILD=1`` (rebuild llama-cpp-python).
+
+Each accessor reads the environment when called (not at import), so a variable set after ``import
+draftwise`` (a test's ``monkeypatch.setenv``) takes effect; the C++ kernel reads ``DRAFTWISE_ISA`` at its
+load too, and the Python side reports a value it cannot use.
+
+One process-wide default is set here as well (``openmp_spin_default``): see its docstring.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+VARIABLES = ("DRAFTWISE_HOME", "DRAFTWISE_API_KEY", "DRAFTWISE_KEEP_CONVERTED", "DRAFTWISE_ISA",
+             "DRAFTWISE_NO_KERNELS", "DRAFTWISE_PREFILL", "DRAFTWISE_EXACT_ACTIVATIONS", "DRAFTWISE_TUNE")
+INSTALL_VARIABLES = ("DRAFTWISE_PEERS", "DRAFTWISE_PEERS_REBUILD")  # install.sh's, never read by the package
+
+
+def _get(name: str) -> str:
+    assert name in VARIABLES, name
+    return os.environ.get(name, "").strip()
+
+
+def home() -> Path:
+    """``$DRAFTWISE_HOME``, default ``~/.cache/draftwise``: models, converted copies, heads, layerskip plans,
+    kernel tuning."""
+    v = os.environ.get("DRAFTWISE_HOME")
+    return Path(v if v else Path.home() / ".cache" / "draftwise").expanduser()
+
+
+def api_key() -> str | None:
+    """``$DRAFTWISE_API_KEY``: the server's default bearer key (None: no key)."""
+    return os.environ.get("DRAFTWISE_API_KEY") or None
+
+
+def keep_converted(default: bool = False) -> bool:
+    """``DRAFTWISE_KEEP_CONVERTED``: ``1`` keeps a converted safetensors copy of a GGUF, any other value
+    does not; unset, ``default`` (False for one process, True for ``serve --replicas``)."""
+    v = _get("DRAFTWISE_KEEP_CONVERTED")
+    return default if not v else v == "1"
+
+
+def forced_isa() -> str | None:
+    """``$DRAFTWISE_ISA``: the kernel path to use instead of the best the CPU has (None: not forced)."""
+    return _get("DRAFTWISE_ISA") or None
+
+
+def kernels_disabled() -> bool:
+    """``DRAFTWISE_NO_KERNELS=1``: never build or use the C++ kernel."""
+    return _get("DRAFTWISE_NO_KERNELS") == "1"
+
+
+def forced_prefill() -> str | None:
+    """``DRAFTWISE_PREFILL=gemm|kernel``: how long prefills run (None: chosen from the CPU)."""
+    v = _get("DRAFTWISE_PREFILL").lower()
+    return v if v in ("gemm", "kernel") else None
+
+
+def exact_activations() -> bool:
+    """``DRAFTWISE_EXACT_ACTIVATIONS=1``: fp32 activations for quantized weights instead of int8."""
+    return _get("DRAFTWISE_EXACT_ACTIVATIONS") == "1"
+
+
+def tune_kernels() -> bool:
+    """``DRAFTWISE_TUNE=0`` skips timing the kernel paths for calls of several rows."""
+    return _get("DRAFTWISE_TUNE") != "0"
+
+
+def openmp_spin_default() -> None:
+    """Set ``GOMP_SPINCOUNT=2000`` when unset, before torch loads GNU OpenMP (``import draftwise`` calls it).
+    OpenMP's threads spin ~300k iterations (milliseconds) after each torch op, and between torch ops the
+    kernel's own threads (kernels/csrc/pool.h) run the matmuls; a spinning OpenMP thread takes a core from
+    them. A short spin: Qwen 1.5B, 60-token prompt, prefill 1.4-1.9 s -> 1.2-1.4 s (AMD Zen 3, 2 threads).
+    A value the user set is kept; it has no effect once torch is imported."""
+    os.environ.setdefault("GOMP_SPINCOUNT", "2000")
+
+
+__all__ = ["INSTALL_VARIABLES", "VARIABLES", "api_key", "exact_activations", "forced_isa", "forced_prefill", "home",
+           "keep_converted", "kernels_disabled", "openmp_spin_default", "tune_kernels"]
