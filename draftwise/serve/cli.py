@@ -86,6 +86,9 @@ def add_parsers(sub, model_args, methods) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DRAFTWISE_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="after SIGTERM / Ctrl-C: new requests get 503 while admitted ones may finish for up "
+                        "to this long, then the server exits 0 (default 30); a second signal exits at once")
     r = s.add_argument_group("scale-out (Ray Serve; pip install 'draftwise[ray]')")
     r.add_argument("--replicas", type=positive_int, default=1,
                    help="engine replicas behind one route as a Ray Serve deployment (default 1: this process "
@@ -155,6 +158,8 @@ def cmd_serve(args) -> int:
 
     cfg = engine_config(args)
     cfg.validate()  # before loading anything
+    if not args.shutdown_timeout >= 0:
+        raise InvalidParameterError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout:g}")
     if not _is_loopback(args.host) and not args.api_key:
         print(f"draftwise: warning: serving on {args.host} without --api-key: anyone who can reach this "
               "address can use the server", file=sys.stderr)
@@ -169,10 +174,9 @@ def cmd_serve(args) -> int:
           f"http://{args.host}:{args.port}/v1 — {engine.rows} cache rows × {engine.max_model_len} tokens "
           f"({engine.rows * engine.row_bytes / 2**20:.0f} MiB KV), queue {cfg.max_queue}", file=sys.stderr)
     try:
-        run_server(engine, name, args.host, args.port, args.api_key, args.log_level)
+        return run_server(engine, name, args.host, args.port, args.api_key, args.log_level, args.shutdown_timeout)
     except OSError as e:  # port in use, address not available
         raise DraftwiseError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
-    return 0
 
 
 def _is_loopback(host: str) -> bool:
