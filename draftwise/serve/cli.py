@@ -45,6 +45,16 @@ def lookahead_help() -> str:
             f"{WINDOW},{NGRAM},{GUESSES}); a step feeds (W+G)(N-1) tokens")
 
 
+def positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s}")
+    return v
+
+
 def _int_list(s: str) -> list[int]:
     try:
         vals = [int(x) for x in s.split(",") if x.strip()]
@@ -116,6 +126,19 @@ def add_parsers(sub, model_args, methods) -> None:
                         "starting engines in this process")
     b.add_argument("--served-model-name", default=None, help="with --url: the model id that server expects "
                                                             "(default: --target)")
+    k = b.add_argument_group("soak test (--soak MINUTES: mixed traffic checked against alone-runs, RSS sampled)")
+    k.add_argument("--soak", type=positive_float, default=None, metavar="MINUTES",
+                   help="instead of the throughput table: MINUTES of mixed traffic (greedy, seeded, stop strings, "
+                        "per-request methods, dropped streams, bad requests); writes a report with an RSS plot")
+    k.add_argument("--soak-clients", type=positive_int, default=12, help="concurrent clients (default 12)")
+    k.add_argument("--soak-prompts", type=positive_int, default=8,
+                   help="distinct prompts; each checked kind is first run alone on each (default 8)")
+    k.add_argument("--soak-idle", type=float, default=60.0, metavar="SECONDS",
+                   help="idle time after the load before the last RSS sample (default 60)")
+    k.add_argument("--soak-sample", type=positive_float, default=5.0, metavar="SECONDS",
+                   help="RSS sampling interval (default 5)")
+    k.add_argument("--soak-out", default="soak-report", metavar="DIR",
+                   help="folder for report.md, report.json and rss.png (default ./soak-report)")
 
 
 def main(args) -> int:
