@@ -84,12 +84,12 @@ def test_engine_gives_freed_rows_back_and_exports_its_bounded_structures(tiny_dw
                         "ignore_eos": True}
                 return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(6)))
         assert all(r.status_code == 200 for r in asyncio.run(burst()))
-        wait_for(lambda: engine.snapshot()["requests"] == 0)
+        wait_for(lambda: engine.snapshot()["requests"] == 0 and engine._used_rows == 0)
         text = httpx.get(srv.base_url + "/metrics").text
     metrics = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
     # every row the burst used was given back: at least 4 rows × (target + draft) keys and values
-    assert metrics["draftwise_kv_cache_released_bytes_total"] > 0
-    assert engine._used_rows == 0
+    per_row = sum(c.k[:, 0].numel() * c.k.element_size() * 2 for c in engine.kv_caches)
+    assert metrics["draftwise_kv_cache_released_bytes_total"] >= 0.5 * 4 * per_row  # less the partial pages
     assert metrics["draftwise_open_requests"] == 0
     assert metrics["draftwise_open_requests_limit"] == engine.rows + 8
     for name in ("draftwise_suffix_cache_tokens", "draftwise_suffix_cache_limit_tokens", "draftwise_draining",
