@@ -306,3 +306,27 @@ def test_shutdown_timeout_fails_the_rest_and_a_second_sigterm_exits_at_once(hf_f
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ---- the app's pieces, without a server ----------------------------------------------------------------
+def test_route_helpers_work_alone(tiny_dw):
+    """The routes' helpers are module-level functions over a ServerContext: testable without uvicorn."""
+    from draftwise.serve.app import ServerContext, check_common, sequences
+    from draftwise.serve.protocol import APIError, CompletionRequest
+
+    engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, max_model_len=100, max_batch=2, max_queue=2))
+    ctx = ServerContext(engine, MODEL)
+    check_common(ctx, CompletionRequest(model=MODEL, prompt="hi"), 1)
+    with pytest.raises(APIError) as e:
+        check_common(ctx, CompletionRequest(model="other", prompt="hi"), 1)
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    with pytest.raises(APIError) as e:
+        check_common(ctx, CompletionRequest(model=MODEL, prompt="hi", n=3), 2)  # 6 choices > 2 rows + 2 queued
+    assert e.value.param == "n"
+    body = CompletionRequest(model=MODEL, prompt="hi", n=2, max_tokens=5, seed=7, draftwise={"method": "ar"})
+    seqs = sequences(engine, body, [[1, 2, 3]], chat=False)
+    assert [s.index for s in seqs] == [0, 1] and [s.params.seed for s in seqs] == [7, 8]
+    assert all(s.method == "ar" and s.gamma_cap == 0 for s in seqs)
+    with pytest.raises(APIError) as e:
+        sequences(engine, CompletionRequest(model=MODEL, prompt="hi", max_tokens=99), [[1, 2, 3]], chat=False)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
