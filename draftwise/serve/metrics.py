@@ -58,6 +58,9 @@ class EngineMetrics:
             lambda: engine.rows * engine.row_bytes)
         self.kv_released = Counter("kv_cache_released_bytes", "Bytes of KV cache rows given back to the OS as "
                                    "sequences left (madvise; 0 where unsupported)", namespace=ns, registry=r)
+        self.heap_trims = Counter("heap_trims", "Times malloc gave free memory back to the OS (malloc_trim: when "
+                                  "the engine goes idle, and periodically under load)", namespace=ns, registry=r)
+        self.heap_trim_seconds = Counter("heap_trim_seconds", "Time spent in those trims", namespace=ns, registry=r)
         # every structure that outlives a request, bounded; its size and bound
         g("open_requests", "Requests admitted and not finished (bounded by cache rows + --max-queue)"
           ).set_function(lambda: len(engine._requests))
