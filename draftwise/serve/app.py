@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import logging
+import re
 import secrets
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -287,7 +287,7 @@ class Reply:
             while open_:
                 try:
                     ev = await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if await request.is_disconnected():
                         self.engine.cancel(self.rid)
                         return Response(status_code=499)

@@ -19,11 +19,12 @@ Memory: the KV caches of target and draft model are reserved once at start, ``ro
 their pages as positions are first written (``KVCache`` uses ``torch.empty``), so a short answer costs
 what it uses, and ``kv_cache_mb`` stays the upper bound. When a sequence leaves, the rows no longer in
 use give their pages back to the OS (``KVCache.release_rows``), so the resident set follows the tokens
-held, not the longest answers seen; when the engine goes idle (and every ``TRIM_EVERY_S`` under
-unbroken load) it also trims malloc's free lists (``memory.trim_heap``). When every row is busy requests wait; when ``max_queue`` are waiting ``submit``
-refuses (``EngineFullError``, HTTP 503). Every structure that outlives a request is bounded: the
-waiting queue (``max_queue``), the request table (rows + queue), the suffix drafter's store
-(``SuffixCache.max_tokens``), the metrics window (10 s); /metrics exports their sizes.
+held, not the longest answers seen; when the engine goes idle (and every ``TRIM_EVERY_S`` under unbroken
+load) it also trims malloc's free lists (``memory.trim_heap``). When every row is busy requests wait;
+when ``max_queue`` are waiting ``submit`` refuses (``EngineFullError``, HTTP 503). Every structure that
+outlives a request is bounded: the waiting queue (``max_queue``), the request table (rows + queue), the
+suffix drafter's store (``SuffixCache.max_tokens``), the metrics window (10 s); /metrics exports their
+sizes.
 
 Shutdown: ``drain()`` stops admitting (``submit`` raises ``EngineStoppedError``, HTTP 503) while what
 was admitted runs to its end; ``idle`` tells when nothing is left; ``stop()`` ends the thread and fails
@@ -51,10 +52,10 @@ import torch
 from ..api import AUTO, LOOKAHEAD, METHODS, SpeculativeDecoder, output_text, uses_draft_model
 from ..decode import Decoder, FixedGamma, GammaPolicy
 from ..drafters.base import Draft, Drafter
+from ..drafters.suffix import SuffixCache
 from ..errors import DraftwiseError, InvalidParameterError
 from ..gamma import AdaptiveGamma
 from ..memory import trim_heap
-from ..drafters.suffix import SuffixCache
 from ..models.base import KVCache
 from ..sequence import Sequence
 from .detok import IncrementalDetokenizer

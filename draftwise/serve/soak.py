@@ -174,7 +174,7 @@ class Soak:
                     self.log(f"soak: /metrics sample failed: {type(e).__name__}: {e}")
                 try:
                     await asyncio.wait_for(stop.wait(), self.cfg.sample_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     def kinds(self, methods: list[str]) -> list[str]:
@@ -258,10 +258,13 @@ class Soak:
             await asyncio.sleep(0.2)
 
     def judge(self) -> None:
-        r, cfg = self.result, self.cfg
+        r = self.result
         statuses = {k: dict(v) for k, v in r.statuses.items()}
         r.statuses = statuses
-        count = lambda pred: sum(n for by in statuses.values() for s, n in by.items() if pred(s))  # noqa: E731
+
+        def count(pred) -> int:
+            return sum(n for by in statuses.values() for s, n in by.items() if pred(s))
+
         r.numbers["requests"] = count(lambda s: True)
         r.numbers["5xx"] = count(lambda s: s.isdigit() and int(s) >= 500)
         r.numbers["connection_errors"] = count(lambda s: s == "conn")
@@ -278,13 +281,14 @@ class Soak:
         r.numbers["rss_peak_mb"] = max((s["rss_mb"] for s in r.samples if s["rss_mb"] is not None), default=0.0)
         end = r.samples[-1]["rss_mb"] if r.samples else None
         r.numbers["rss_after_idle_mb"] = end or 0.0
-        r.numbers["rss_after_idle_vs_warm_pct"] = round(100 * (end - r.warm_mb) / r.warm_mb, 2) if end and r.warm_mb else 0.0
+        back = 100 * (end - r.warm_mb) / r.warm_mb if end and r.warm_mb else 0.0
+        r.numbers["rss_after_idle_vs_warm_pct"] = round(back, 2)
         r.verdicts = {
             "no 5xx, no connection error": r.numbers["5xx"] == 0 and r.numbers["connection_errors"] == 0,
             "bad requests answered 4xx": r.numbers["bad_not_4xx"] == 0,
             "every checked answer equals its alone-run": r.checked > 0 and not r.mismatches,
             f"RSS flat under load (drift within {FLAT_MB:g} MiB)": abs(r.numbers["rss_drift_mb"]) <= FLAT_MB,
-            f"RSS back within {BACK_PCT:g} % of warm after idling": abs(r.numbers["rss_after_idle_vs_warm_pct"]) <= BACK_PCT,
+            f"RSS back within {BACK_PCT:g} % of warm after idling": abs(back) <= BACK_PCT,
         }
 
 
@@ -313,19 +317,19 @@ def write_report(result: SoakResult, out: Path, title: str) -> list[Path]:
 
 def markdown(r: SoakResult, title: str, plotted: bool) -> str:
     n = r.numbers
-    lines = [f"# {title}", "", f"Server: {r.server.get('url')} (model `{r.server.get('model')}`, methods "
-             f"{', '.join(r.server.get('methods', []))}); {platform.machine()}, {_cpu_name()}.", "",
-             f"Config: {json.dumps(r.config)}", "", "## Verdicts", ""]
+    server = (f"Server: {r.server.get('url')} (model `{r.server.get('model')}`, methods "
+              f"{', '.join(r.server.get('methods', []))}); {platform.machine()}, {_cpu_name()}.")
+    lines = [f"# {title}", "", server, "", f"Config: {json.dumps(r.config)}", "", "## Verdicts", ""]
     lines += [f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in r.verdicts.items()]
-    lines += ["", "## Numbers", "",
-              f"- requests: {n['requests']:.0f}; checked against alone-runs: {n['checked']:.0f}; "
-              f"mismatches: {n['mismatches']:.0f}; 5xx: {n['5xx']:.0f}; connection errors: {n['connection_errors']:.0f}",
-              f"- RSS: warm {r.warm_mb:.0f} MiB, peak {n['rss_peak_mb']:.0f} MiB; under load from "
-              f"{n['flat_from_s']:.0f} s on: drift {n['rss_drift_mb']:+.1f} MiB (median of the last quarter − "
-              f"median of the first), range {n['rss_steady_range_mb']:.1f} MiB (samples fall at random points of "
-              f"a step); after idling {n['rss_after_idle_mb']:.0f} MiB ({n['rss_after_idle_vs_warm_pct']:+.2f} % of warm)", "", "## Status codes by kind", "",
-              "| kind | " + " | ".join(sorted({s for by in r.statuses.values() for s in by})) + " |"]
+    counts = (f"- requests: {n['requests']:.0f}; checked against alone-runs: {n['checked']:.0f}; mismatches: "
+              f"{n['mismatches']:.0f}; 5xx: {n['5xx']:.0f}; connection errors: {n['connection_errors']:.0f}")
+    rss = (f"- RSS: warm {r.warm_mb:.0f} MiB, peak {n['rss_peak_mb']:.0f} MiB; under load from "
+           f"{n['flat_from_s']:.0f} s on: drift {n['rss_drift_mb']:+.1f} MiB (median of the last quarter − median "
+           f"of the first), range {n['rss_steady_range_mb']:.1f} MiB (samples fall at random points of a step); "
+           f"after idling {n['rss_after_idle_mb']:.0f} MiB ({n['rss_after_idle_vs_warm_pct']:+.2f} % of warm)")
     codes = sorted({s for by in r.statuses.values() for s in by})
+    lines += ["", "## Numbers", "", counts, rss, "", "## Status codes by kind", "",
+              "| kind | " + " | ".join(codes) + " |"]
     lines.append("|---" * (len(codes) + 1) + "|")
     for kind, by in sorted(r.statuses.items()):
         lines.append(f"| {kind} | " + " | ".join(str(by.get(c, 0)) for c in codes) + " |")
