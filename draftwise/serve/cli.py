@@ -130,8 +130,8 @@ def add_parsers(sub, model_args, methods) -> None:
     k.add_argument("--soak", type=positive_float, default=None, metavar="MINUTES",
                    help="instead of the throughput table: MINUTES of mixed traffic (greedy, seeded, stop strings, "
                         "per-request methods, dropped streams, bad requests); writes a report with an RSS plot")
-    k.add_argument("--soak-clients", type=positive_int, default=12, help="concurrent clients (default 12)")
-    k.add_argument("--soak-prompts", type=positive_int, default=8,
+    k.add_argument("--soak-clients", type=positive_int, default=12, metavar="N", help="concurrent clients (default 12)")
+    k.add_argument("--soak-prompts", type=positive_int, default=8, metavar="N",
                    help="distinct prompts; each checked kind is first run alone on each (default 8)")
     k.add_argument("--soak-idle", type=float, default=60.0, metavar="SECONDS",
                    help="idle time after the load before the last RSS sample (default 60)")
