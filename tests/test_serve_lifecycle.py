@@ -195,7 +195,7 @@ def start_server(hf_folder, *extra: str) -> tuple[subprocess.Popen, str]:
                              "--log-level", "warning", *extra],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 300  # a loaded 2-core machine took 90+ s to import and start it
     while True:
         try:
             if httpx.get(url + "/health").status_code == 200:
