@@ -24,6 +24,16 @@ def gamma_arg(s: str) -> int | str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s}")
+    return v
+
+
 def positive_int(s: str) -> int:
     try:
         v = int(s)

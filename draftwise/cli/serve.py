@@ -10,7 +10,7 @@ import sys
 from .. import settings
 from ..api import build_decoder
 from ..drafters import registry
-from ..errors import DraftwiseError
+from ..errors import DraftwiseError, InvalidParameterError
 from . import common
 
 COMMANDS = ("serve", "bench-serve")
@@ -47,6 +47,9 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DRAFTWISE_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="after SIGTERM / Ctrl-C: new requests get 503 while admitted ones may finish for up "
+                        "to this long, then the server exits 0 (default 30); a second signal exits at once")
     r = s.add_argument_group("scale-out (Ray Serve; pip install 'draftwise[ray]')")
     r.add_argument("--replicas", type=common.positive_int, default=1,
                    help="engine replicas behind one route as a Ray Serve deployment (default 1: this process "
@@ -74,6 +77,19 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
                         "starting engines in this process")
     b.add_argument("--served-model-name", default=None, help="with --url: the model id that server expects "
                                                             "(default: --target)")
+    k = b.add_argument_group("soak test (--soak MINUTES: mixed traffic checked against alone-runs, RSS sampled)")
+    k.add_argument("--soak", type=common.positive_float, default=None, metavar="MINUTES",
+                   help="instead of the throughput table: MINUTES of mixed traffic (greedy, seeded, stop strings, "
+                        "per-request methods, dropped streams, bad requests); writes a report with an RSS plot")
+    k.add_argument("--soak-clients", type=common.positive_int, default=12, metavar="N", help="concurrent clients (default 12)")
+    k.add_argument("--soak-prompts", type=common.positive_int, default=8, metavar="N",
+                   help="distinct prompts; each checked kind is first run alone on each (default 8)")
+    k.add_argument("--soak-idle", type=float, default=60.0, metavar="SECONDS",
+                   help="idle time after the load before the last RSS sample (default 60)")
+    k.add_argument("--soak-sample", type=common.positive_float, default=5.0, metavar="SECONDS",
+                   help="RSS sampling interval (default 5)")
+    k.add_argument("--soak-out", default="soak-report", metavar="DIR",
+                   help="folder for report.md, report.json and rss.png (default ./soak-report)")
 
 
 def run(args) -> int:
@@ -96,6 +112,8 @@ def cmd_serve(args) -> int:
 
     cfg = engine_config(args)
     cfg.validate()  # before loading anything
+    if not args.shutdown_timeout >= 0:
+        raise InvalidParameterError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout:g}")
     if not _is_loopback(args.host) and not args.api_key:
         print(f"draftwise: warning: serving on {args.host} without --api-key: anyone who can reach this "
               "address can use the server", file=sys.stderr)
@@ -111,10 +129,9 @@ def cmd_serve(args) -> int:
           f"http://{args.host}:{args.port}/v1 — {engine.rows} cache rows × {engine.max_model_len} tokens "
           f"({engine.rows * engine.row_bytes / 2**20:.0f} MiB KV), queue {cfg.max_queue}", file=sys.stderr)
     try:
-        run_server(engine, name, args.host, args.port, args.api_key, args.log_level)
+        return run_server(engine, name, args.host, args.port, args.api_key, args.log_level, args.shutdown_timeout)
     except OSError as e:  # port in use, address not available
         raise DraftwiseError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
-    return 0
 
 
 def _is_loopback(host: str) -> bool:

@@ -139,6 +139,25 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
+    def release_rows(self, start: int, stop: int) -> int:
+        """Give the memory of rows ``start..stop-1`` back to the OS (their lengths become 0): the OS
+        committed their pages as positions were written, and keeps them committed after the sequence
+        left unless told. The rows stay usable (the next write commits fresh pages). Returns the bytes
+        released; 0 off Linux, on a non-CPU device, or for a layout whose rows are not contiguous."""
+        from ..memory import release_pages
+
+        if stop <= start:
+            return 0
+        self.lengths[start:stop] = 0
+        released = 0
+        for t in (self.k, self.v):
+            if t.device.type != "cpu" or not t[0, 0].is_contiguous() or t.stride(1) != t[0, 0].numel():
+                return 0
+            per_layer = (stop - start) * t.stride(1) * t.element_size()  # rows start..stop-1 of one layer
+            for layer in range(t.shape[0]):
+                released += release_pages(t[layer, start].data_ptr(), per_layer)
+        return released
+
 
 class CausalLM(Protocol):
     """What the decode loop needs from a model backend."""

@@ -1,6 +1,6 @@
 """What draftwise keeps under ``$DRAFTWISE_HOME``, and removing it: ``draftwise cache ls|rm``.
 
-Entries: ``model`` (a GGUF in ``models/`` with its sha256 marker), ``converted`` (a folder of
+Entries: ``model`` (a GGUF in ``models/`` with its sha256 marker and fetch lock), ``converted`` (a folder of
 ``converted/``), ``wheels`` (registry wheels left over from an assembly) and one kind per other folder
 (e.g. ``heads``). A converted folder is ``current``; ``stale`` when made under an older CONVERT_VERSION,
 from a file that has changed since, or abandoned mid-conversion over an hour ago; ``orphan`` when its
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import DraftwiseError
 from .loading import CONVERT_VERSION, conversion_name, read_source_record
-from .registry import MODELS, draftwise_home, model_wheels, wheel_dir
+from .registry import MODELS, draftwise_home, model_wheels, trusted, wheel_dir
 
 PARTIAL_AGE_S = 3600  # a ``.tmp`` conversion or ``.part`` assembly untouched this long was abandoned
 
@@ -85,13 +85,13 @@ def _models(home: Path, now: float) -> list[Entry]:
     out, claimed = [], set()
     for f in sorted(folder.glob("*.gguf")):
         marker = f.with_suffix(f.suffix + ".sha256")
-        paths = [f] + [marker] * marker.exists()
+        lock = f.with_name(f.name + ".lock")  # held by a fetch (registry.fetch_named), kept after it
+        paths = [f] + [marker] * marker.exists() + [lock] * lock.exists()
         claimed.update(paths)
         name = by_file.get(f.name, f.name)
         state = ""
         if name in MODELS:
-            ok = marker.exists() and marker.read_text().strip() == MODELS[name].sha256
-            state = "verified" if ok else "unverified"
+            state = "verified" if trusted(MODELS[name], f) else "unverified"  # the next use fetches it again
         out.append(Entry("model", name, paths, state=state))
     for f in sorted(folder.iterdir()):
         if f in claimed:
@@ -100,7 +100,7 @@ def _models(home: Path, now: float) -> list[Entry]:
             stem = f.name.removesuffix(".part")
             state = "stale" if _abandoned(f, now) else "partial"
             out.append(Entry("model", by_file.get(stem, f.name), [f], state=state))
-        elif f.name.endswith(".gguf.sha256") and not f.with_suffix("").exists():
+        elif f.name.endswith((".gguf.sha256", ".gguf.lock")) and not f.with_suffix("").exists():
             out.append(Entry("model", by_file.get(f.with_suffix("").name, f.name), [f], state="stale"))
         else:
             out.append(Entry("other", f"models/{f.name}", [f]))

@@ -11,6 +11,7 @@ folder records its source (``SOURCE_RECORD``); writing a conversion removes the 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from .. import settings
-from ..errors import InvalidParameterError, ModelNotFoundError
+from ..errors import DraftwiseError, InvalidParameterError, ModelNotFoundError
 from .base import ModelConfig
 from .registry import draftwise_home
 
@@ -363,6 +364,46 @@ def keep_converted() -> bool:
     return settings.keep_converted()
 
 
+def _write_converted(path: Path, out: Path, sd: dict | None, weights_name: str, cfg: ModelConfig,
+                     cfg_name: str, table: list[dict]) -> None:
+    """Write a converted folder: into ``<out>.tmp`` (a folder a killed or failed run leaves is never read,
+    and the next run starts it afresh), then renamed into place. A full disk is a clear error naming the
+    space needed, and leaves no partial folder."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        if out.exists():  # another format converted before: keep its files
+            for f in out.iterdir():
+                if f.is_file():
+                    os.link(f, tmp / f.name)
+        if not (tmp / "tokenizer_config.json").exists():
+            _save_gguf_tokenizer(path, tmp)
+        if sd is not None:
+            from safetensors.torch import save_file
+
+            save_file(sd, str(tmp / weights_name))
+        (tmp / cfg_name).write_text(json.dumps(cfg.to_dict(), indent=1))
+        (tmp / LAYOUT_FILE).unlink(missing_ok=True)
+        (tmp / LAYOUT_FILE).write_text(json.dumps(table))
+        _write_source_record(path, tmp)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            need = sum(t.numel() * t.element_size() for t in sd.values()) if sd is not None else 2**20
+            free = shutil.disk_usage(out.parent).free
+            raise DraftwiseError(
+                f"not enough disk space to convert {path.name}: the converted copy needs about "
+                f"{need / 1e9:.2f} GB free in {out.parent}; {free / 1e9:.2f} GB is free. Free some space (or "
+                f"point $DRAFTWISE_HOME elsewhere) and run again") from None
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
 def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep: bool | None = None):
     """Return (config, state_dict, tokenizer folder). ``dtype`` is a torch dtype (dense weights in it) or
     "gguf" (keep the file's own quantization, exact). "gguf" reads the file in place: its blocks are
@@ -404,25 +445,7 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep:
             sd = {k: v.to(dtype) for k, v in sd.items()}
         sd = prefuse(sd, cfg)
     del reader
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if out.exists():  # another format converted before: keep its files
-        for f in out.iterdir():
-            if f.is_file():
-                os.link(f, tmp / f.name)
-    if not (tmp / "tokenizer_config.json").exists():
-        _save_gguf_tokenizer(path, tmp)
-    if sd is not None:
-        from safetensors.torch import save_file
-
-        save_file(sd, str(tmp / weights.name))
-    (tmp / cfg_file.name).write_text(json.dumps(cfg.to_dict(), indent=1))
-    (tmp / LAYOUT_FILE).unlink(missing_ok=True)
-    (tmp / LAYOUT_FILE).write_text(json.dumps(table))
-    _write_source_record(path, tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    _write_converted(path, out, sd, weights.name, cfg, cfg_file.name, table)
     prune_conversions(path, out)
     if sd is None:
         return cfg, read_in_place(path, cfg, table, progress), out

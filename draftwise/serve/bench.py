@@ -181,6 +181,8 @@ def run_url(url: str, model: str, levels: list[int], requests: int | None, max_t
 
 
 def cmd_bench_serve(args) -> int:
+    if args.soak is not None:
+        return _soak(args)
     if args.url:
         model = args.served_model_name or args.target
         print(f"bench-serve: {args.url}, model {model}, max_tokens {args.max_tokens}, "
@@ -214,3 +216,42 @@ def _bench_in_process(args) -> list[LevelResult]:
           f"concurrency {','.join(map(str, args.concurrency))}", file=sys.stderr)
     print(HEADER)
     return run(dw, cfg, modes, model, args.concurrency, args.requests, args.max_tokens)
+
+
+def _soak(args) -> int:
+    """``bench-serve --soak MINUTES``: see ``soak.py``. Exit status 1 when a verdict fails."""
+    from pathlib import Path
+
+    from .. import settings
+
+    from ..errors import InvalidParameterError
+    from .soak import SoakConfig, run_soak
+
+    if not args.soak_idle >= 0:
+        raise InvalidParameterError(f"--soak-idle must be >= 0 seconds, got {args.soak_idle:g}")
+    scfg = SoakConfig(minutes=args.soak, clients=args.soak_clients, max_tokens=args.max_tokens,
+                      prompts=args.soak_prompts, idle_s=args.soak_idle, sample_s=args.soak_sample)
+    key = settings.api_key()
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    out = Path(args.soak_out)
+    if args.url:
+        model = args.served_model_name or args.target
+        result = run_soak(args.url, model, scfg, out, f"soak {args.soak:g} min: {model} at {args.url}", headers,
+                          log=_log)
+        return 0 if result.ok else 1
+    cfg = engine_config(args)
+    cfg.validate()
+    setup_threads(args.threads)
+    dw = build_decoder(ModelSpec.from_args(args), method=cfg.method)
+    cfg = with_overrides(cfg, max_queue=max(cfg.max_queue, args.soak_clients))  # a 503 would be a failure
+    engine = Engine(dw, cfg)
+    title = (f"soak {args.soak:g} min: {args.target}, method {cfg.method}, {args.soak_clients} clients, "
+             f"max_tokens {args.max_tokens}, {engine.rows} rows")
+    with BackgroundServer(engine, args.target) as srv:
+        _log(f"bench-serve --soak: {title} (server in this process, {srv.base_url})")
+        result = run_soak(srv.base_url, args.target, scfg, out, title, log=_log)
+    return 0 if result.ok else 1
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

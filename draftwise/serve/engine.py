@@ -17,9 +17,18 @@ hand each sequence's new text to its sink. Requests join and leave the batch bet
 Memory: the KV caches of target and draft model are reserved once at start, ``rows`` rows of
 ``max_model_len`` (+ draft headroom) tokens each, ``rows`` chosen to fit ``kv_cache_mb``; the OS commits
 their pages as positions are first written (``KVCache`` uses ``torch.empty``), so a short answer costs
-what it uses, and ``kv_cache_mb`` stays the upper bound. When every row
-is busy requests wait; when ``max_queue`` are waiting ``submit`` refuses (``EngineFullError``, HTTP 503).
-Nothing grows with load, so load cannot exhaust memory.
+what it uses, and ``kv_cache_mb`` stays the upper bound. When a sequence leaves, the rows no longer in
+use give their pages back to the OS (``KVCache.release_rows``), so the resident set follows the tokens
+held, not the longest answers seen; when the engine goes idle (and every ``TRIM_EVERY_S`` under unbroken
+load) it also trims malloc's free lists (``memory.trim_heap``). When every row is busy requests wait;
+when ``max_queue`` are waiting ``submit`` refuses (``EngineFullError``, HTTP 503). Every structure that
+outlives a request is bounded: the waiting queue (``max_queue``), the request table (rows + queue), the
+suffix drafter's store (``SuffixCache.max_tokens``), the metrics window (10 s); /metrics exports their
+sizes.
+
+Shutdown: ``drain()`` stops admitting (``submit`` raises ``EngineStoppedError``, HTTP 503) while what
+was admitted runs to its end; ``idle`` tells when nothing is left; ``stop()`` ends the thread and fails
+whatever is still running.
 
 Speculation: the drafter is wrapped in a ``ServeDrafter`` (per-request γ caps; plain-decoding requests in
 the same batch). With the adaptive policy (``draftwise/gamma.py``) γ shrinks as the batch grows; when
@@ -44,8 +53,11 @@ from ..api import SpeculativeDecoder, output_text, uses_draft_model
 from ..drafters import registry
 from ..decode import Decoder, FixedGamma, GammaPolicy
 from ..drafters.base import Draft, Drafter, Needs, needs_of
+from ..drafters.suffix import SuffixCache
 from ..errors import DraftwiseError, InvalidParameterError
 from ..gamma import AdaptiveGamma
+from ..memory import trim_heap
+from ..models.base import KVCache
 from ..sequence import Sequence
 from .detok import IncrementalDetokenizer
 from .metrics import EngineMetrics
@@ -59,6 +71,9 @@ DRAFTER_SYNC_STEPS = 16
 # the adaptive policy found speculation not paying for this many steps in a row: the draft model is
 # switched off (rows detached) until the policy finds it would pay again
 DETACH_AFTER_STEPS = 2 * DRAFTER_SYNC_STEPS
+# malloc's free lists go back to the OS when the engine goes idle, and between steps at least this often
+# under unbroken load (a trim of a 2 GB heap takes ~ms; a step of the 1.5B, ~100 ms)
+TRIM_EVERY_S = 20.0
 
 
 class EngineFullError(DraftwiseError):
@@ -258,7 +273,11 @@ class Engine:
         self._cancelled: set[str] = set()
         self._requests: dict[str, EngineRequest] = {}
         self._stop = False
+        self.draining = False  # drain(): no new requests, the admitted ones finish
         self._thread: threading.Thread | None = None
+        self._used_rows = 0  # rows written since they were last given back to the OS
+        self._trimmed = True  # malloc trimmed since the engine last worked
+        self._trimmed_at = time.monotonic()
         self.gamma_now = 0  # draft length of the latest step (0 = no speculation)
         self.steps = 0
         self._off_steps = 0  # consecutive steps the policy found speculation not paying
@@ -276,8 +295,12 @@ class Engine:
         drafter = self.dw.make_drafter(self.method, self.rows, self.capacity, **self.cfg.drafter_options)
         self.drafter = ServeDrafter(drafter) if drafter is not None else None
         tok = self.tokenizer
-        return Decoder(self.dw.target.model, self.drafter, self.policy, eos_ids=tok.eos_ids,
-                       detokenize=tok.decode, rows=self.rows, capacity=self.capacity)
+        decoder = Decoder(self.dw.target.model, self.drafter, self.policy, eos_ids=tok.eos_ids,
+                          detokenize=tok.decode, rows=self.rows, capacity=self.capacity)
+        self.kv_caches = held(KVCache, decoder.cache, drafter)
+        self.suffix_stores = held(SuffixCache, drafter)
+        self._used_rows = self.rows  # a rebuilt decoder: release every row once
+        return decoder
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -285,6 +308,17 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="draftwise-engine", daemon=True)
             self._thread.start()
         return self
+
+    def drain(self) -> None:
+        """Stop admitting requests (``submit`` raises EngineStoppedError); admitted ones run to the end."""
+        with self._lock:
+            self.draining = True
+
+    @property
+    def idle(self) -> bool:
+        """No request admitted and unfinished (nothing running, nothing waiting)."""
+        with self._lock:
+            return not self._requests
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._lock:
@@ -332,7 +366,7 @@ class Engine:
             s.request_id, s.request = request_id, req
             s.detok = IncrementalDetokenizer(self.tokenizer.decode, s.params.stop)
         with self._lock:
-            if self._stop:
+            if self._stop or self.draining:
                 raise EngineStoppedError("the server is shutting down")
             # admitted and unfinished sequences: at most `rows` run, at most `max_queue` wait for a row
             # (a finishing sequence is counted until its flag is set: the count errs towards refusing)
@@ -363,7 +397,8 @@ class Engine:
             waiting = len(self._waiting)
             requests = len(self._requests)
         return {"running": len(self.decoder.running), "waiting": waiting, "requests": requests,
-                "rows": self.rows, "gamma": self.gamma_now, "steps": self.steps, "alive": self.alive}
+                "rows": self.rows, "gamma": self.gamma_now, "steps": self.steps, "alive": self.alive,
+                "draining": self.draining}
 
     @property
     def kv_tokens(self) -> int:
@@ -382,20 +417,44 @@ class Engine:
     def _loop(self) -> None:
         with torch.inference_mode():
             while True:
+                if not self._trimmed and not self.decoder.running and not self._waiting:
+                    self._trimmed = True  # going idle: what the requests' activations freed goes back
+                    self._trim()
+                elif time.monotonic() - self._trimmed_at > TRIM_EVERY_S:  # busy for long: trim between steps
+                    self._trim()
                 with self._lock:
                     while not (self._stop or self._waiting or self._cancelled or self.decoder.running):
                         self._lock.wait()
+                    self._trimmed = False
                     if self._stop:
                         break
                     cancelled, self._cancelled = self._cancelled, set()
                 try:
                     self._drop(cancelled)
                     self._admit()
+                    self._used_rows = max(self._used_rows, len(self.decoder.running))
                     self._step()
+                    self._release_rows()
                 except Exception as e:  # a bug must not take the server down: fail what is running
                     log.error("engine step failed:\n%s", traceback.format_exc())
                     self._fail_all(f"internal error in the decode loop: {type(e).__name__}")
         self._fail_all("the server is shutting down", rebuild=False)
+
+    def _trim(self) -> None:
+        t0 = time.perf_counter()
+        if trim_heap():
+            self.metrics.heap_trims.inc()
+        self.metrics.heap_trim_seconds.inc(time.perf_counter() - t0)
+        self._trimmed_at = time.monotonic()
+
+    def _release_rows(self) -> None:
+        """Give the pages of rows that sequences have left back to the OS (every KV cache: target and
+        drafter). Rows 0..B-1 hold the running sequences (the decoder compacts), so the rest are free."""
+        used = len(self.decoder.running)
+        if used < self._used_rows:
+            released = sum(c.release_rows(used, self._used_rows) for c in self.kv_caches)
+            self.metrics.kv_released.inc(released)
+        self._used_rows = used
 
     def _drop(self, cancelled: set[str]) -> None:
         if not cancelled:
@@ -542,6 +601,34 @@ class Engine:
             req.sink(event)
         except Exception:  # the consumer is gone (its event loop closed): nothing to tell
             pass
+
+
+def held(cls: type, *roots) -> list:
+    """The instances of ``cls`` among ``roots`` and what they hold (a decoder's cache, a drafter's KV
+    cache or suffix store, a composite drafter's children's), each once: the objects reachable through
+    attributes, lists and dicts of draftwise's own classes (not torch modules), a few levels deep."""
+    found: dict[int, object] = {}
+    seen: set[int] = set()
+
+    def walk(obj, depth: int) -> None:
+        if obj is None or id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, cls):
+            found[id(obj)] = obj
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                walk(x, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                walk(x, depth + 1)
+        elif type(obj).__module__.startswith("draftwise.") and not isinstance(obj, torch.nn.Module):
+            for x in getattr(obj, "__dict__", {}).values():
+                walk(x, depth + 1)
+
+    for r in roots:
+        walk(r, 0)
+    return list(found.values())
 
 
 def with_overrides(cfg: EngineConfig, **changes) -> EngineConfig:

@@ -56,6 +56,26 @@ class EngineMetrics:
             lambda: engine.kv_tokens * engine.kv_bytes_per_token)
         g("kv_cache_bytes_limit", "The KV cache's upper bound (--kv-cache-mb, whole rows)").set_function(
             lambda: engine.rows * engine.row_bytes)
+        self.kv_released = Counter("kv_cache_released_bytes", "Bytes of KV cache rows given back to the OS as "
+                                   "sequences left (madvise; 0 where unsupported)", namespace=ns, registry=r)
+        self.heap_trims = Counter("heap_trims", "Times malloc gave free memory back to the OS (malloc_trim: when "
+                                  "the engine goes idle, and periodically under load)", namespace=ns, registry=r)
+        self.heap_trim_seconds = Counter("heap_trim_seconds", "Time spent in those trims", namespace=ns, registry=r)
+        # every structure that outlives a request, bounded; its size and bound
+        g("open_requests", "Requests admitted and not finished (bounded by cache rows + --max-queue)"
+          ).set_function(lambda: len(engine._requests))
+        g("open_requests_limit", "The most sequences admitted at once (cache rows + --max-queue)").set_function(
+            lambda: engine.rows + engine.cfg.max_queue)
+        # (the suffix drafter's stores: found in the drafter when the decoder is built, after this)
+        stores = lambda: getattr(engine, "suffix_stores", [])  # noqa: E731
+        g("suffix_cache_tokens", "Tokens of earlier requests held by the suffix drafter's store (0: none)"
+          ).set_function(lambda: sum(len(s) for s in stores()))
+        g("suffix_cache_bytes", "Bytes of the suffix drafter's store").set_function(
+            lambda: sum(s.nbytes for s in stores()))
+        g("suffix_cache_limit_tokens", "The suffix store's bound in tokens (the oldest sequences are evicted)"
+          ).set_function(lambda: sum(s.max_tokens for s in stores()))
+        g("draining", "1 after SIGTERM: new requests are refused (503) while admitted ones finish").set_function(
+            lambda: float(engine.draining))
         self._window: collections.deque[tuple[float, int, int, int, int]] = collections.deque()
         self._mu = threading.Lock()
 

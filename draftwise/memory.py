@@ -1,0 +1,71 @@
+"""Giving memory back to the operating system (Linux; a no-op elsewhere).
+
+- ``release_pages(addr, nbytes)``: ``madvise(MADV_DONTNEED)`` over the whole pages inside a range of
+  memory this process owns. The pages leave the resident set at once; the next write commits fresh
+  zero pages, so the range stays valid (a freed KV-cache row: ``KVCache.release_rows``).
+- ``trim_heap()``: glibc's ``malloc_trim(0)``, which returns the free memory of every malloc arena to the
+  OS (an idle server: freed activations, tokenizer buffers, numpy temporaries). Not glibc: nothing.
+- ``rss_bytes()``: this process's resident set size now (``/proc/self/statm``).
+
+Every function is safe to call when the facility is missing: it reports ``False`` / ``None``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import sys
+
+PAGE = mmap.PAGESIZE
+MADV_DONTNEED = 4  # the same number on every Linux architecture
+
+_libc = None
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        _libc = None
+_malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc only (not musl)
+if _malloc_trim is not None:
+    _malloc_trim.argtypes = [ctypes.c_size_t]
+    _malloc_trim.restype = ctypes.c_int
+
+
+def can_release() -> bool:
+    return _libc is not None
+
+
+def release_pages(addr: int, nbytes: int) -> int:
+    """Drop the whole pages inside ``[addr, addr + nbytes)`` from the resident set; the partial pages
+    at either end are kept (they may hold neighbouring data). Returns the bytes released (0 when the
+    range holds no whole page or the facility is missing)."""
+    if _libc is None or nbytes <= 0:
+        return 0
+    start = -(-addr // PAGE) * PAGE
+    end = (addr + nbytes) // PAGE * PAGE
+    if end <= start:
+        return 0
+    if _libc.madvise(ctypes.c_void_p(start), end - start, MADV_DONTNEED) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_DONTNEED) failed: {os.strerror(err)}")
+    return end - start
+
+
+def trim_heap() -> bool:
+    """Return malloc's free memory to the OS (glibc). True when it released something."""
+    if _malloc_trim is None:
+        return False
+    return bool(_malloc_trim(0))
+
+
+def rss_bytes() -> int | None:
+    """Resident set size of this process in bytes (None where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, ValueError, IndexError):
+        return None
