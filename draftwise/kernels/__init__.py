@@ -74,6 +74,43 @@ def _mode_flag(name: str, value: bool):
         setattr(_mode, name, prev)
 
 
+@contextlib.contextmanager
+def serial_torch():
+    """Within this block torch's own ops run on one thread and the kernel's matmuls on the threads torch
+    had. A short forward (decode, verification: T <= 32 new tokens per row) is a chain of ~10 small torch
+    ops per layer between the kernel's calls; an element-wise op over more than 32768 values wakes torch's
+    OpenMP threads, and one that shares a core with another thread stalls the op for milliseconds (a
+    (24, 1792) bias add: 6.8 ms on 2 threads, 3 us on one; AMD Zen 5, another process busy). The heavy torch
+    ops that do pay for threads (a long prefill's GEMM and attention) get them back by ``parallel_torch``.
+    Nested blocks keep the outer one's setting. Only speed moves: every op computes the same bits."""
+    ext = _ext if _ext is not None else extension()
+    n = torch.get_num_threads()
+    if ext is None or n <= 1 or ext.get_threads() > 0:
+        yield
+        return
+    ext.set_threads(n)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        ext.set_threads(0)
+
+
+@contextlib.contextmanager
+def parallel_torch():
+    """Inside ``serial_torch``: torch's ops get the caller's threads back for this block (a GEMM)."""
+    n = _ext.get_threads() if _ext is not None else 0
+    if n <= 1:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
+
+
 def bulk(enabled: bool = True):
     """Within this block, linears over many rows (a long prefill) de-quantize their weights to bf16 and
     use torch's GEMM (AMX / oneDNN) instead of the kernel, where that pays (``bulk_gemm_pays``).
@@ -301,6 +338,9 @@ def set_activation_bits(model: nn.Module, bits: int) -> None:
     for m in model.modules():
         if isinstance(m, QLinear) and m.bits in (4, 8):
             m.act_bits = bits
+        elif isinstance(m, QLinear) and m.bits in KQ_BITS and bits != 8:
+            raise ValueError("a K-quant (Q4_K / Q6_K) linear has int8 activations only: load the model with "
+                             "DRAFTWISE_EXACT_ACTIVATIONS=1 for fp32 activations")
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -313,9 +353,20 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * (amax / 127.0)).view(M, K)
 
 
+KQ_BITS = {12: 2368, 14: 3392}  # QLinear ``bits`` of the K-quant rule (Q4_K, Q6_K; csrc/kquant.h): tile bytes
+
+
+def kq_shape(q: torch.Tensor, bits: int) -> tuple[int, int]:
+    """(N, K) of a K-quant code q: (N / 16 tiles, K / 256 * tile bytes) uint8."""
+    return q.shape[0] * 16, q.shape[1] // KQ_BITS[bits] * 256
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int) -> torch.Tensor:
     """(N, K) float32 weights from the packed code (the reference the kernel is tested against)."""
     N = q.shape[0]
+    if bits in KQ_BITS:  # the K-quant code: its own de-quantization (kquant.h kq_dequant_rows)
+        n, K = kq_shape(q, bits)
+        return extension().kq_dequant(q.contiguous().view(-1), bits, n, K)
     if bits in (16, 32):  # dense bf16 / fp32, stored as an integer view (see QLinear.dense)
         return q.view(torch.bfloat16 if bits == 16 else torch.float32).float()
     if bits == 4:
@@ -331,20 +382,24 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, 
 
 
 class QLinear(nn.Module):
-    """y = x @ W^T (+ b) with W held as (q, scale, minv) groups; see qmm.cpp for the layout."""
+    """y = x @ W^T (+ b) with W held as (q, scale, minv) groups (csrc/qmm.h), or, for ``bits`` 12 / 14, as
+    the GGUF's own Q4_K / Q6_K blocks interleaved by 16 columns (csrc/kquant.h; ``scale`` is then (N, 0))."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int,
                  bias: torch.Tensor | None = None):
         super().__init__()
         self.bits, self.group = bits, group
-        self.in_features = q.shape[1] * (2 if bits == 4 else 1)
-        self.out_features = q.shape[0]
+        if bits in KQ_BITS:
+            self.out_features, self.in_features = kq_shape(q, bits)
+        else:
+            self.in_features = q.shape[1] * (2 if bits == 4 else 1)
+            self.out_features = q.shape[0]
         self.register_buffer("q", q.contiguous())  # (N, K) int8 | (N, K/2) uint8 | (N, K) int16/int32 views
         self.register_buffer("scale", scale.float().contiguous())  # (N, K/G)
         self.register_buffer("minv", (minv if minv is not None else torch.empty(0)).float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self._dense: torch.Tensor | None = None  # fallback only
-        self.act_bits = activation_bits() if bits in (4, 8) else 32
+        self.act_bits = activation_bits() if bits in (4, 8) else 8 if bits in KQ_BITS else 32
 
     @classmethod
     def dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "QLinear":
@@ -366,14 +421,25 @@ class QLinear(nn.Module):
         scale, minv = buffers["scale"], buffers["minv"]
         if scale.dtype != torch.float32 or minv.dtype != torch.float32:  # someone called .to(dtype)
             scale, minv = scale.float(), minv.float()
-        if x2.shape[0] > BULK_MIN_ROWS and getattr(_mode, "bulk", False) and _bulk_pays():
-            if ext is not None and self.bits in (4, 8):
-                w = ext.dequantize_bf16(self.q, scale, minv, self.group, self.bits)  # (N, K)
+        if self.bits in KQ_BITS:
+            if x2.shape[0] > BULK_MIN_ROWS and (getattr(_mode, "gemm32", False) or (
+                    getattr(_mode, "bulk", False) and _bulk_pays())):
+                with parallel_torch():
+                    w = dequantize(self.q, scale, None, self.group, self.bits)  # (N, K) f32
+                    y = x2 @ w.t() if getattr(_mode, "gemm32", False) else \
+                        (x2.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()
             else:
-                w = dequantize(self.q, scale, minv, self.group, self.bits).to(torch.bfloat16)
-            y = (x2.to(torch.bfloat16) @ w.t()).float()
+                y = ext.qmm_kq(x2, buffers["q"].view(-1), self.bits, self.out_features)
+        elif x2.shape[0] > BULK_MIN_ROWS and getattr(_mode, "bulk", False) and _bulk_pays():
+            with parallel_torch():
+                if ext is not None and self.bits in (4, 8):
+                    w = ext.dequantize_bf16(self.q, scale, minv, self.group, self.bits)  # (N, K)
+                else:
+                    w = dequantize(self.q, scale, minv, self.group, self.bits).to(torch.bfloat16)
+                y = (x2.to(torch.bfloat16) @ w.t()).float()
         elif getattr(_mode, "gemm32", False) and x2.shape[0] > BULK_MIN_ROWS:
-            y = x2 @ dequantize(self.q, scale, minv, self.group, self.bits).t()
+            with parallel_torch():
+                y = x2 @ dequantize(self.q, scale, minv, self.group, self.bits).t()
         elif ext is not None:
             y = ext.qmm(x2, buffers["q"], scale, minv, self.group, self.bits, self.act_bits)
         else:
@@ -382,11 +448,14 @@ class QLinear(nn.Module):
             y = x2 @ self._dense.t()
         bias = self._parameters.get("bias")  # absent when built without one
         if bias is not None:
-            y.add_(bias)  # y is this call's own output
+            if ext is not None and bias.dtype == torch.float32 and y.dtype == torch.float32:
+                ext.add_bias_(y, bias)  # y is this call's own output; no torch thread pool (serial_torch)
+            else:
+                y.add_(bias)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        fmt = {16: "bf16", 32: "fp32"}.get(self.bits, f"int{self.bits}, group={self.group}")
+        fmt = {16: "bf16", 32: "fp32", 12: "Q4_K x16", 14: "Q6_K x16"}.get(self.bits, f"int{self.bits}, group={self.group}")
         return f"in={self.in_features}, out={self.out_features}, {fmt}"
 
 

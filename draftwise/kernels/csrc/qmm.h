@@ -38,6 +38,8 @@
 
 namespace dw {
 
+struct KqArgs;  // kquant.h: the K-quant rule's call
+
 constexpr int64_t ACT_BLOCK = 32;  // activations are quantized per row in blocks of 32 values
 constexpr int64_t STEP_BYTES = 64;  // code bytes per step (16 lanes of 4 bytes)
 constexpr int LANES = 16;
@@ -76,6 +78,8 @@ struct IsaOps {
   void (*attend_groups)(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B,
                         int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, float* out,
                         int64_t i0, int64_t i1, float* scratch, const int64_t* vis, const int64_t* nvis);
+  // the K-quant rule (kquant.h) over tiles t0..t1 of 16 columns
+  void (*qmm_k)(const KqArgs& a, int64_t t0, int64_t t1);
 };
 
 // int8 activations apply when the code rows split into whole 32-byte half steps
