@@ -196,10 +196,11 @@ MULTI_MARGIN = 0.05  # another path takes the calls of 3+ rows only when it is t
 
 def _tune_multi(ext) -> None:
     """Calls of ``kMultiRows`` (3) rows or more — verifying drafts, short prefills — are compute-bound, and
-    the default path is not always the fastest there (AMD Zen 5: at 8 rows ``avx512vnni`` is ~13 % slower
-    than ``avx512``; at one row every path waits on memory alike). So each path the CPU has is timed
-    once on an 8-row int4 and int8 matmul, and a path more than ``MULTI_MARGIN`` faster than the default
-    takes those calls. Every path computes the same bits: this choice moves speed, never a token. The
+    the groups-of-32 code's default path is not always the fastest there (AMD Zen 5: at 8 rows
+    ``avx512vnni`` is ~13 % slower than ``avx512`` on int4, ~1.8x on int8; at one row every path waits on
+    memory alike). So each path the CPU has is timed once on an 8-row int4 and int8 matmul, and a path more
+    than ``MULTI_MARGIN`` faster than the default takes those calls. (The K-quant rule, Q4_K / Q6_K, always
+    runs on the default path: AVX512-VNNI is 1.3-1.6x AVX-512 there at 4-16 rows.) Every path computes the same bits: this choice moves speed, never a token. The
     result is cached per kernel build, CPU and thread count in ``$DRAFTWISE_HOME/kernels``;
     ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``) skips it."""
     import json
@@ -229,14 +230,15 @@ def _tune_multi(ext) -> None:
 
 def _time_paths(ext, paths: list[str], rows: int = 8) -> dict[str, float]:
     """Seconds per ``rows``-row call on each path: the best of several timings of an int4 matmul (groups of
-    32 with mins, as Q4_K converts) and an int8 one (groups of 16, as Q6_K), 2048 × 1536 each, summed."""
+    32 with mins, as Q4_0 / Q4_1 convert) and an int8 one (groups of 32, as Q8_0 / Q5_0), 2048 × 1536 each,
+    summed. (The K-quant rule's calls run on the default path: it is the fastest there at every row count.)"""
     import time
 
     g = torch.Generator().manual_seed(0)
     N, K = 2048, 1536
     x = torch.randn(rows, K, generator=g)  # (8, K)
     cases = [(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g), 32, 4),
-             (torch.randint(-32, 32, (N, K), dtype=torch.int8, generator=g), 16, 8)]
+             (torch.randint(-32, 32, (N, K), dtype=torch.int8, generator=g), 32, 8)]
     cases = [(q, torch.rand(N, K // G, generator=g), torch.rand(N, K // G, generator=g) if bits == 4 else
               torch.empty(0), G, bits) for q, G, bits in cases]  # scales (N, K/G); mins for int4
     out = {}

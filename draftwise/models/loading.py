@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -135,7 +136,9 @@ def _state_dict(items, cfg: ModelConfig, progress: bool, keep_quantized: bool, d
         dest = (into or {}).get(name)
         if n_head and len(shape) == 2 and kq_format(qtype, tuple(shape)) is not None:
             # the K-quant code interleaves rows by 16: undo llama's Q/K row order on the file's rows first
-            raw = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8)).view(shape[0], -1)
+            with warnings.catch_warnings():  # a read-only map of the file: read (copied by the permutation)
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8)).view(shape[0], -1)
             data, n_head = _unpermute_rows(raw, n_head).numpy(), None
         code = repack(data, qtype, tuple(shape), out=None if n_head else dest) \
             if dest is not None or (keep_quantized and len(shape) == 2) else None

@@ -107,7 +107,7 @@ torch::Tensor qmm_kq(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N) {
   a.w = w.data_ptr<uint8_t>();
   a.act = {q.data(), d.data(), b16n.data(), b32.data()};
   a.out = out.data_ptr<float>();
-  const dw::IsaOps* ops = dw::active_for(M);
+  const dw::IsaOps* ops = dw::active();  // the fastest for this rule at every row count (kernels._tune_multi)
   dw::parallel_for(dw::kq_tiles(N), 1, threads, [&](int64_t t0, int64_t t1) { ops->qmm_k(a, t0, t1); });
   return out;
 }
