@@ -331,8 +331,17 @@ def kernel_info() -> dict:
 
 
 def activation_bits() -> int:
-    """8 (int8 activations for int4 / int8 codes, on every path) unless DRAFTWISE_EXACT_ACTIVATIONS=1."""
+    """8 (int8 activations for int4 / int8 codes, on every path) unless DRAFTWISE_EXACT_ACTIVATIONS=1 or
+    inside ``exact_activations()``."""
+    if getattr(_mode, "exact", False):
+        return 32
     return 32 if os.environ.get("DRAFTWISE_EXACT_ACTIVATIONS") == "1" else 8
+
+
+def exact_activations():
+    """Within this block models load as with DRAFTWISE_EXACT_ACTIVATIONS=1 (fp32 activations: Q4_K / Q6_K in
+    the groups-of-32 code, which has an fp32-activation path; ``draftwise agreement``'s FORMAT:fp32)."""
+    return _mode_flag("exact", True)
 
 
 def set_activation_bits(model: nn.Module, bits: int) -> None:
