@@ -432,15 +432,8 @@ class QLinear(nn.Module):
         scale, minv = buffers["scale"], buffers["minv"]
         if scale.dtype != torch.float32 or minv.dtype != torch.float32:  # someone called .to(dtype)
             scale, minv = scale.float(), minv.float()
-        if self.bits in KQ_BITS:
-            if x2.shape[0] > BULK_MIN_ROWS and (getattr(_mode, "gemm32", False) or (
-                    getattr(_mode, "bulk", False) and _bulk_pays())):
-                with parallel_torch():
-                    w = dequantize(self.q, scale, None, self.group, self.bits)  # (N, K) f32
-                    y = x2 @ w.t() if getattr(_mode, "gemm32", False) else \
-                        (x2.to(torch.bfloat16) @ w.to(torch.bfloat16).t()).float()
-            else:
-                y = ext.qmm_kq(x2, buffers["q"].view(-1), self.bits, self.out_features)
+        if self.bits in KQ_BITS:  # the K-quant rule, for prompts too: an extra row costs its dot products only
+            y = ext.qmm_kq(x2, buffers["q"].view(-1), self.bits, self.out_features)
         elif x2.shape[0] > BULK_MIN_ROWS and getattr(_mode, "bulk", False) and _bulk_pays():
             with parallel_torch():
                 if ext is not None and self.bits in (4, 8):

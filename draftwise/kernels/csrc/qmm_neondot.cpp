@@ -1,6 +1,5 @@
 // ARM NEON with the dot-product extension (vdotq_s32; ARMv8.2-A+dotprod). The kernel is neon.h.
 #include "qmm.h"
-#include "kquant.h"
 #if defined(__aarch64__)
 #pragma GCC push_options
 #pragma GCC target("arch=armv8.2-a+dotprod")
@@ -9,7 +8,7 @@
 #pragma GCC pop_options
 namespace dw {
 const IsaOps* neondot_ops() {
-  static const IsaOps ops = {"neondot", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_simd, kq_ref};  // K-quants: the reference (not vectorized on ARM yet)
+  static const IsaOps ops = {"neondot", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_simd, kq_qmm};
   return &ops;
 }
 }  // namespace dw
