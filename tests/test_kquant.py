@@ -243,3 +243,19 @@ def test_a_k_quant_model_loads_in_place_and_decodes_batch_invariantly(tmp_path, 
             steps = torch.cat([model.forward(ids[:, t:t + 1], cache).logits for t in range(ids.shape[1])], 1)
             assert torch.equal(chunk, steps), isa
             assert torch.equal(chunk, got), isa
+
+
+def test_a_kept_converted_copy_holds_the_k_quant_code(tmp_path, monkeypatch):
+    """keep_converted: the x16 code is saved once (safetensors, fused) and memory-mapped by later loads."""
+    from draftwise.models import load_model
+    from draftwise.models.loading import converted_dir
+
+    cfg, path = _kq_gguf(tmp_path, monkeypatch, "qwen2")
+    fresh = load_model(str(path), "gguf", progress=False)
+    kept = load_model(str(path), "gguf", progress=False, keep_converted=True)
+    assert list(converted_dir(path).glob("model-gguf.safetensors"))
+    again = load_model(str(path), "gguf", progress=False, keep_converted=True)  # mapped
+    ids = torch.tensor([[5, 9, 77, 3]])
+    logits = [m.model.forward(ids, m.model.new_cache(1, 16)).logits for m in (fresh, kept, again)]
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    assert {m.bits for m in again.model.modules() if isinstance(m, QLinear)} <= set(KQ_BITS)
