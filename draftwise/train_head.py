@@ -219,8 +219,11 @@ def head_targets(labels: torch.Tensor, chunk_ids: torch.Tensor, num_heads: int) 
 
 def output_rows(lm_head, rows: torch.Tensor) -> torch.Tensor:
     """The target LM head's weights for the draft vocabulary: (Vd, D) float32, de-quantized if need be."""
-    from .kernels import QLinear, dequantize
+    from .kernels import KQ_BITS, QLinear, dequantize, extension, kq_shape
 
+    if isinstance(lm_head, QLinear) and lm_head.bits in KQ_BITS:  # the K-quant code: rows de-quantized in C++
+        V, D = kq_shape(lm_head.q, lm_head.bits)
+        return extension().kq_rows(lm_head.q.view(-1), lm_head.bits, V, D, rows.long())
     if isinstance(lm_head, QLinear):
         minv = lm_head.minv[rows] if lm_head.minv.numel() else None
         return dequantize(lm_head.q[rows], lm_head.scale[rows], minv, lm_head.group, lm_head.bits)

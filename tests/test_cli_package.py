@@ -14,9 +14,7 @@ LOW = ("draftwise.models", "draftwise.drafters", "draftwise.decode", "draftwise.
        "draftwise.sequence", "draftwise.gamma", "draftwise.acceptance", "draftwise.beam", "draftwise.settings",
        "draftwise.digest", "draftwise.errors", "draftwise.kernels")
 HIGH = ("draftwise.api", "draftwise.serve", "draftwise.bench", "draftwise.cli")
-# kernels/__init__.py reads models.registry.draftwise_home (a lower layer reaching up); issue 31 switches it to
-# settings.home() — remove this entry then
-ALLOWED = {("draftwise.kernels", "draftwise.models.registry")}
+ALLOWED: set[tuple[str, str]] = set()  # no exceptions
 
 
 def _in(mod: str, layer: tuple[str, ...]) -> bool:

@@ -33,6 +33,8 @@ GOLDEN = {
     "int8-g32-min-f32": "55c56369582ee678", "bf16-dense": "793e4fdbae01d022", "fp32-dense": "04ae06b98aa381e6",
     "layers": "485e940ff23acc4f",
     "gguf-repack": "2d6efd8a06d30a86",  # csrc/repack.h over random blocks of every format (tested against numpy too)
+    # the K-quant rule (csrc/kquant.h): the x16 layout of random Q4_K / Q6_K blocks and the reference's outputs
+    "kquant-q4k": "b80f1fd0d9119acb", "kquant-q6k": "f2a76e6666743f4e",
 }
 
 

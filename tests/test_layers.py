@@ -13,9 +13,7 @@ from draftwise import settings
 
 PKG = Path(__file__).resolve().parents[1] / "draftwise"
 ENV_READ = re.compile(r"os\.environ|os\.getenv|getenv\(")
-# kernels/__init__.py reads DRAFTWISE_ISA / _NO_KERNELS / _PREFILL / _TUNE / _EXACT_ACTIVATIONS itself until
-# the kernel rewrite (issue 31) switches it to settings.py; remove this entry then.
-ENV_ALLOWED = {"settings.py", "kernels/__init__.py"}
+ENV_ALLOWED = {"settings.py"}
 
 
 def _sources():

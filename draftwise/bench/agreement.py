@@ -10,6 +10,7 @@ format's output; this measures what the format itself costs in quality.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import time
@@ -64,11 +65,13 @@ def decode_all(target: str, variant: Variant, prompts: list[str], chat: bool, ma
                progress) -> tuple[list[list[int]], float]:
     """Greedy ``ar`` continuations of every prompt with this variant; returns (outputs, mean tok/s)."""
     from ..api import SpeculativeDecoder
-    from ..kernels import set_activation_bits
+    from ..kernels import exact_activations, set_activation_bits
     from ..models import load_model
     from ..sampling import SamplingParams
 
-    loaded = load_model(target, variant.weights, "native", progress=False)
+    fp32 = variant.activations == "fp32"
+    with exact_activations() if fp32 else contextlib.nullcontext():  # Q4_K / Q6_K in a code with fp32 activations
+        loaded = load_model(target, variant.weights, "native", progress=False)
     set_activation_bits(loaded.model, 8 if variant.activations == "int8" else 32)
     dw = SpeculativeDecoder(loaded, None)
     params = SamplingParams(max_tokens=max_tokens)

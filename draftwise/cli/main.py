@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import DraftwiseError
-from . import agreement, bench, cache, chat, generate, info, serve, train_head
+from . import agreement, bench, bench_forward, cache, chat, generate, info, serve, train_head
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ COMMANDS = (
     Command("generate", generate.HELP, generate.add_arguments, generate.run),
     Command("chat", chat.COMMAND_HELP, chat.add_arguments, chat.run),
     Command("bench", bench.HELP, bench.add_arguments, bench.run),
+    Command("bench-forward", bench_forward.HELP, bench_forward.add_arguments, bench_forward.run),
     Command("agreement", agreement.HELP, agreement.add_arguments, agreement.run),
     Command("serve", serve.SERVE_HELP, serve.add_serve_arguments, serve.run),
     Command("bench-serve", serve.BENCH_HELP, serve.add_bench_arguments, serve.run),

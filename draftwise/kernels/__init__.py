@@ -18,13 +18,14 @@ import contextlib
 import functools
 import hashlib
 import logging
-import os
 import platform
 import threading
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .. import settings
 
 log = logging.getLogger(__name__)
 _mode = threading.local()
@@ -38,7 +39,7 @@ def bulk_gemm_pays() -> bool:
     (AVX2, NEON) torch's bf16 GEMM is compute-bound and many times slower than the int8 kernel (a
     100-token prefill of the Qwen 1.5B: 39 s vs 6.8 s on Zen 3), and the kernel keeps prefill on the
     same bits on every CPU. ``DRAFTWISE_PREFILL=gemm|kernel`` overrides."""
-    forced = os.environ.get("DRAFTWISE_PREFILL", "").strip().lower()
+    forced = settings.forced_prefill()
     if forced in ("gemm", "kernel"):
         return forced == "gemm"
     if extension() is None:
@@ -72,6 +73,43 @@ def _mode_flag(name: str, value: bool):
         yield
     finally:
         setattr(_mode, name, prev)
+
+
+@contextlib.contextmanager
+def serial_torch():
+    """Within this block torch's own ops run on one thread and the kernel's matmuls on the threads torch
+    had. A short forward (decode, verification: T <= 32 new tokens per row) is a chain of ~10 small torch
+    ops per layer between the kernel's calls; an element-wise op over more than 32768 values wakes torch's
+    OpenMP threads, and one that shares a core with another thread stalls the op for milliseconds (a
+    (24, 1792) bias add: 6.8 ms on 2 threads, 3 us on one; AMD Zen 5, another process busy). The heavy torch
+    ops that do pay for threads (a long prefill's GEMM and attention) get them back by ``parallel_torch``.
+    Nested blocks keep the outer one's setting. Only speed moves: every op computes the same bits."""
+    ext = _ext if _ext is not None else extension()
+    n = torch.get_num_threads()
+    if ext is None or n <= 1 or ext.get_threads() > 0:
+        yield
+        return
+    ext.set_threads(n)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        ext.set_threads(0)
+
+
+@contextlib.contextmanager
+def parallel_torch():
+    """Inside ``serial_torch``: torch's ops get the caller's threads back for this block (a GEMM)."""
+    n = _ext.get_threads() if _ext is not None else 0
+    if n <= 1:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
 
 
 def bulk(enabled: bool = True):
@@ -126,7 +164,7 @@ def extension():
         return _ext
     with _ext_lock:
         if _ext is None and not _ext_failed:
-            if os.environ.get("DRAFTWISE_NO_KERNELS") == "1":
+            if settings.kernels_disabled():
                 _ext_failed, _ext_error = True, "disabled by DRAFTWISE_NO_KERNELS=1"
                 return None
             try:
@@ -139,14 +177,14 @@ def extension():
                 log.warning("draftwise: quantized kernel unavailable (%s); using the slower torch path", e)
                 _ext_failed, _ext_error = True, str(e).splitlines()[0] if str(e) else type(e).__name__
                 return None
-            forced = os.environ.get("DRAFTWISE_ISA", "").strip()
+            forced = (settings.forced_isa() or "").strip()
             if forced and not _ext.set_isa(forced):
                 from ..errors import InvalidParameterError
 
                 have = ", ".join(_ext.available_isas())
                 raise InvalidParameterError(f"DRAFTWISE_ISA={forced!r}: this CPU cannot run that path, or it is unknown "
                                             f"(available here: {have}; also 'vnni', 'auto')")
-            if not forced and os.environ.get("DRAFTWISE_TUNE") != "0":
+            if not forced and settings.tune_kernels():
                 try:
                     _tune_multi(_ext)
                 except Exception as e:  # an unwritable cache, ...: the default path for every call
@@ -159,22 +197,21 @@ MULTI_MARGIN = 0.05  # another path takes the calls of 3+ rows only when it is t
 
 def _tune_multi(ext) -> None:
     """Calls of ``kMultiRows`` (3) rows or more — verifying drafts, short prefills — are compute-bound, and
-    the default path is not always the fastest there (AMD Zen 5: at 8 rows ``avx512vnni`` is ~13 % slower
-    than ``avx512``; at one row every path waits on memory alike). So each path the CPU has is timed
-    once on an 8-row int4 and int8 matmul, and a path more than ``MULTI_MARGIN`` faster than the default
-    takes those calls. Every path computes the same bits: this choice moves speed, never a token. The
+    the groups-of-32 code's default path is not always the fastest there (AMD Zen 5: at 8 rows
+    ``avx512vnni`` is ~13 % slower than ``avx512`` on int4, ~1.8x on int8; at one row every path waits on
+    memory alike). So each path the CPU has is timed once on an 8-row int4 and int8 matmul, and a path more
+    than ``MULTI_MARGIN`` faster than the default takes those calls. (The K-quant rule, Q4_K / Q6_K, always
+    runs on the default path: AVX512-VNNI is 1.3-1.6x AVX-512 there at 4-16 rows.) Every path computes the same bits: this choice moves speed, never a token. The
     result is cached per kernel build, CPU and thread count in ``$DRAFTWISE_HOME/kernels``;
     ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``) skips it."""
     import json
-
-    from ..models.registry import draftwise_home
 
     default = ext.isa()
     paths = [p for p in ext.available_isas() if p != "scalar"]
     if len(paths) < 2:
         return
     sig = f"{build_name()} {ext.cpu_features()} {_cpu_model()} {torch.get_num_threads()}"
-    cache = draftwise_home() / "kernels" / f"tune-{hashlib.sha256(sig.encode()).hexdigest()[:16]}.json"
+    cache = settings.home() / "kernels" / f"tune-{hashlib.sha256(sig.encode()).hexdigest()[:16]}.json"
     try:
         choice = json.loads(cache.read_text())["multi"]
     except (OSError, ValueError, KeyError):
@@ -192,14 +229,15 @@ def _tune_multi(ext) -> None:
 
 def _time_paths(ext, paths: list[str], rows: int = 8) -> dict[str, float]:
     """Seconds per ``rows``-row call on each path: the best of several timings of an int4 matmul (groups of
-    32 with mins, as Q4_K converts) and an int8 one (groups of 16, as Q6_K), 2048 × 1536 each, summed."""
+    32 with mins, as Q4_0 / Q4_1 convert) and an int8 one (groups of 32, as Q8_0 / Q5_0), 2048 × 1536 each,
+    summed. (The K-quant rule's calls run on the default path: it is the fastest there at every row count.)"""
     import time
 
     g = torch.Generator().manual_seed(0)
     N, K = 2048, 1536
     x = torch.randn(rows, K, generator=g)  # (8, K)
     cases = [(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g), 32, 4),
-             (torch.randint(-32, 32, (N, K), dtype=torch.int8, generator=g), 16, 8)]
+             (torch.randint(-32, 32, (N, K), dtype=torch.int8, generator=g), 32, 8)]
     cases = [(q, torch.rand(N, K // G, generator=g), torch.rand(N, K // G, generator=g) if bits == 4 else
               torch.empty(0), G, bits) for q, G, bits in cases]  # scales (N, K/G); mins for int4
     out = {}
@@ -282,7 +320,7 @@ def kernel_info() -> dict:
     ext = extension()
     info = {"machine": platform.machine(), "kernel_built": ext is not None, "build": build_name(),
             "isa": isa(), "isa_multi_row": isa_multi(), "available_isas": available_isas(),
-            "forced_by_env": os.environ.get("DRAFTWISE_ISA") or None,
+            "forced_by_env": settings.forced_isa(),
             "activations": "fp32" if activation_bits() == 32 else "int8"}
     if ext is not None:
         info["cpu_features"] = ext.cpu_features().split()
@@ -292,8 +330,17 @@ def kernel_info() -> dict:
 
 
 def activation_bits() -> int:
-    """8 (int8 activations for int4 / int8 codes, on every path) unless DRAFTWISE_EXACT_ACTIVATIONS=1."""
-    return 32 if os.environ.get("DRAFTWISE_EXACT_ACTIVATIONS") == "1" else 8
+    """8 (int8 activations for int4 / int8 codes, on every path) unless DRAFTWISE_EXACT_ACTIVATIONS=1 or
+    inside ``exact_activations()``."""
+    if getattr(_mode, "exact", False):
+        return 32
+    return 32 if settings.exact_activations() else 8
+
+
+def exact_activations():
+    """Within this block models load as with DRAFTWISE_EXACT_ACTIVATIONS=1 (fp32 activations: Q4_K / Q6_K in
+    the groups-of-32 code, which has an fp32-activation path; ``draftwise agreement``'s FORMAT:fp32)."""
+    return _mode_flag("exact", True)
 
 
 def set_activation_bits(model: nn.Module, bits: int) -> None:
@@ -301,6 +348,9 @@ def set_activation_bits(model: nn.Module, bits: int) -> None:
     for m in model.modules():
         if isinstance(m, QLinear) and m.bits in (4, 8):
             m.act_bits = bits
+        elif isinstance(m, QLinear) and m.bits in KQ_BITS and bits != 8:
+            raise ValueError("a K-quant (Q4_K / Q6_K) linear has int8 activations only: load the model with "
+                             "DRAFTWISE_EXACT_ACTIVATIONS=1 for fp32 activations")
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -313,9 +363,20 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * (amax / 127.0)).view(M, K)
 
 
+KQ_BITS = {12: 2368, 14: 3392}  # QLinear ``bits`` of the K-quant rule (Q4_K, Q6_K; csrc/kquant.h): tile bytes
+
+
+def kq_shape(q: torch.Tensor, bits: int) -> tuple[int, int]:
+    """(N, K) of a K-quant code q: (N / 16 tiles, K / 256 * tile bytes) uint8."""
+    return q.shape[0] * 16, q.shape[1] // KQ_BITS[bits] * 256
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int) -> torch.Tensor:
     """(N, K) float32 weights from the packed code (the reference the kernel is tested against)."""
     N = q.shape[0]
+    if bits in KQ_BITS:  # the K-quant code: its own de-quantization (kquant.h kq_dequant_rows)
+        n, K = kq_shape(q, bits)
+        return extension().kq_dequant(q.contiguous().view(-1), bits, n, K)
     if bits in (16, 32):  # dense bf16 / fp32, stored as an integer view (see QLinear.dense)
         return q.view(torch.bfloat16 if bits == 16 else torch.float32).float()
     if bits == 4:
@@ -331,20 +392,24 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, 
 
 
 class QLinear(nn.Module):
-    """y = x @ W^T (+ b) with W held as (q, scale, minv) groups; see qmm.cpp for the layout."""
+    """y = x @ W^T (+ b) with W held as (q, scale, minv) groups (csrc/qmm.h), or, for ``bits`` 12 / 14, as
+    the GGUF's own Q4_K / Q6_K blocks interleaved by 16 columns (csrc/kquant.h; ``scale`` is then (N, 0))."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int,
                  bias: torch.Tensor | None = None):
         super().__init__()
         self.bits, self.group = bits, group
-        self.in_features = q.shape[1] * (2 if bits == 4 else 1)
-        self.out_features = q.shape[0]
+        if bits in KQ_BITS:
+            self.out_features, self.in_features = kq_shape(q, bits)
+        else:
+            self.in_features = q.shape[1] * (2 if bits == 4 else 1)
+            self.out_features = q.shape[0]
         self.register_buffer("q", q.contiguous())  # (N, K) int8 | (N, K/2) uint8 | (N, K) int16/int32 views
         self.register_buffer("scale", scale.float().contiguous())  # (N, K/G)
         self.register_buffer("minv", (minv if minv is not None else torch.empty(0)).float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self._dense: torch.Tensor | None = None  # fallback only
-        self.act_bits = activation_bits() if bits in (4, 8) else 32
+        self.act_bits = activation_bits() if bits in (4, 8) else 8 if bits in KQ_BITS else 32
 
     @classmethod
     def dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "QLinear":
@@ -366,14 +431,18 @@ class QLinear(nn.Module):
         scale, minv = buffers["scale"], buffers["minv"]
         if scale.dtype != torch.float32 or minv.dtype != torch.float32:  # someone called .to(dtype)
             scale, minv = scale.float(), minv.float()
-        if x2.shape[0] > BULK_MIN_ROWS and getattr(_mode, "bulk", False) and _bulk_pays():
-            if ext is not None and self.bits in (4, 8):
-                w = ext.dequantize_bf16(self.q, scale, minv, self.group, self.bits)  # (N, K)
-            else:
-                w = dequantize(self.q, scale, minv, self.group, self.bits).to(torch.bfloat16)
-            y = (x2.to(torch.bfloat16) @ w.t()).float()
+        if self.bits in KQ_BITS:  # the K-quant rule, for prompts too: an extra row costs its dot products only
+            y = ext.qmm_kq(x2, buffers["q"].view(-1), self.bits, self.out_features)
+        elif x2.shape[0] > BULK_MIN_ROWS and getattr(_mode, "bulk", False) and _bulk_pays():
+            with parallel_torch():
+                if ext is not None and self.bits in (4, 8):
+                    w = ext.dequantize_bf16(self.q, scale, minv, self.group, self.bits)  # (N, K)
+                else:
+                    w = dequantize(self.q, scale, minv, self.group, self.bits).to(torch.bfloat16)
+                y = (x2.to(torch.bfloat16) @ w.t()).float()
         elif getattr(_mode, "gemm32", False) and x2.shape[0] > BULK_MIN_ROWS:
-            y = x2 @ dequantize(self.q, scale, minv, self.group, self.bits).t()
+            with parallel_torch():
+                y = x2 @ dequantize(self.q, scale, minv, self.group, self.bits).t()
         elif ext is not None:
             y = ext.qmm(x2, buffers["q"], scale, minv, self.group, self.bits, self.act_bits)
         else:
@@ -382,11 +451,14 @@ class QLinear(nn.Module):
             y = x2 @ self._dense.t()
         bias = self._parameters.get("bias")  # absent when built without one
         if bias is not None:
-            y.add_(bias)  # y is this call's own output
+            if ext is not None and bias.dtype == torch.float32 and y.dtype == torch.float32:
+                ext.add_bias_(y, bias)  # y is this call's own output; no torch thread pool (serial_torch)
+            else:
+                y.add_(bias)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        fmt = {16: "bf16", 32: "fp32"}.get(self.bits, f"int{self.bits}, group={self.group}")
+        fmt = {16: "bf16", 32: "fp32", 12: "Q4_K x16", 14: "Q6_K x16"}.get(self.bits, f"int{self.bits}, group={self.group}")
         return f"in={self.in_features}, out={self.out_features}, {fmt}"
 
 

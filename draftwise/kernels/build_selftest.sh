@@ -8,7 +8,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)/csrc"
 target=${1:-native}
 out=${2:-$(mktemp -d)/selftest-$target}
-src=("$here"/selftest.cpp "$here"/qmm_*.cpp "$here"/dispatch.cpp "$here"/layers.cpp "$here"/pool.cpp "$here"/repack.cpp)
+src=("$here"/selftest.cpp "$here"/qmm_*.cpp "$here"/dispatch.cpp "$here"/layers.cpp "$here"/pool.cpp "$here"/repack.cpp "$here"/kquant_ref.cpp)
 flags=(-O2 -pthread -std=c++17 -ffp-contract=off -fno-fast-math -w -I"$here")
 case "$target" in
   native)

@@ -133,14 +133,60 @@ def repack_format(qtype: str) -> tuple[int, int, int, bool] | None:
     return None if fmt is None else (tid, *fmt)
 
 
+KQ_TYPES = {"Q4_K": 12, "Q6_K": 14}  # GGML types computed by the K-quant rule (csrc/kquant.h), by ggml id
+KQ_TILE = {12: 2368, 14: 3392}  # bytes of one 16-column tile per super-block of 256 (kquant.h)
+
+
+def kq_format(qtype: str, shape: tuple[int, int]) -> tuple[int, int, int, bool] | None:
+    """(ggml type id, group, bits, has_min) = (id, 256, id, False) when an (N, K) tensor of GGML type
+    ``qtype`` runs on the K-quant rule (csrc/kquant.h: the file's own integers, 16 columns interleaved;
+    ``QLinear`` with ``bits`` 12 / 14): Q4_K / Q6_K with N a multiple of 16, with the kernel built and int8
+    activations (``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps the groups-of-32 code, which has an fp32-activation
+    path). Else None."""
+    from . import activation_bits, extension
+
+    tid = KQ_TYPES.get(qtype)
+    N, K = shape
+    if tid is None or N % 16 or K % QK_K or activation_bits() != 8 or extension() is None:
+        return None
+    return tid, QK_K, tid, False
+
+
+def kq_code(N: int, K: int, tid: int) -> QCode:
+    """An empty K-quant code for an (N, K) tensor: q (N / 16 tiles, K / 256 * tile bytes) uint8; scale
+    (N, 0) so that slicing rows (of 16) works as for the other codes."""
+    return QCode(torch.empty(N // 16, K // QK_K * KQ_TILE[tid], dtype=torch.uint8), torch.empty(N, 0), None,
+                 QK_K, tid)
+
+
+def code_rows(code: QCode, row: int, n: int) -> QCode:
+    """Rows row..row+n of a code, as views (a K-quant code's rows come in tiles of 16)."""
+    if code.bits in KQ_TILE:
+        assert row % 16 == 0 and n % 16 == 0, "K-quant codes are sliced in tiles of 16 rows"
+        return QCode(code.q[row // 16:(row + n) // 16], code.scale[row:row + n], None, code.group, code.bits)
+    return QCode(code.q[row:row + n], code.scale[row:row + n], None if code.minv is None else code.minv[row:row + n],
+                 code.group, code.bits)
+
+
 def repack(data: np.ndarray, qtype: str, shape: tuple[int, int], out: QCode | None = None) -> QCode | None:
     """``parse`` through the kernel's C++ re-packer (csrc/repack.h) where it handles the format: the same
     bytes, written in place into ``out`` when given (e.g. rows of a fused matrix), on the kernel's threads.
-    Falls back to ``parse`` (None for formats neither handles)."""
+    Q4_K / Q6_K tensors that ``kq_format`` accepts become the K-quant code instead. Falls back to ``parse``
+    (None for formats neither handles)."""
     from . import extension
 
-    fmt = repack_format(qtype)
     N, K = shape
+    kq = kq_format(qtype, shape)
+    if kq is not None:
+        tid = kq[0]
+        if out is None:
+            out = kq_code(N, K, tid)
+        with warnings.catch_warnings():  # a read-only map of the file: read, never written
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        extension().kq_pack(src, tid, N, K, out.q.view(-1))
+        return out
+    fmt = repack_format(qtype)
     if fmt is None or K % (256 if qtype.endswith("_K") else 32):
         code = parse(data, qtype, shape)
         if code is not None and out is not None:

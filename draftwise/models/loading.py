@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,8 @@ from .base import ModelConfig
 from .registry import draftwise_home
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
-CONVERT_VERSION = 3  # bump when the converted layout changes (2: projections stored fused; 3: GGUF read in place)
+CONVERT_VERSION = 4  # bump when the converted layout changes (2: projections stored fused; 3: GGUF read in place;
+# 4: Q4_K / Q6_K kept in their own blocks, csrc/kquant.h)
 SOURCE_RECORD = "draftwise_source.json"  # in each converted folder: the GGUF it was made from
 LAYOUT_FILE = "gguf_layout.json"  # in each converted folder: where each tensor lies in the GGUF
 
@@ -123,7 +125,7 @@ def _state_dict(items, cfg: ModelConfig, progress: bool, keep_quantized: bool, d
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
-    from ..kernels.gguf_quant import repack
+    from ..kernels.gguf_quant import kq_format, repack
 
     sd: dict[str, torch.Tensor] = {}
     for i, (gname, data, qtype, shape) in enumerate(tqdm(items, desc="load", disable=not progress, leave=False, delay=3.0)):
@@ -134,6 +136,12 @@ def _state_dict(items, cfg: ModelConfig, progress: bool, keep_quantized: bool, d
         if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
         dest = (into or {}).get(name)
+        if n_head and len(shape) == 2 and kq_format(qtype, tuple(shape)) is not None:
+            # the K-quant code interleaves rows by 16: undo llama's Q/K row order on the file's rows first
+            with warnings.catch_warnings():  # a read-only map of the file: read (copied by the permutation)
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8)).view(shape[0], -1)
+            data, n_head = _unpermute_rows(raw, n_head).numpy(), None
         code = repack(data, qtype, tuple(shape), out=None if n_head else dest) \
             if dest is not None or (keep_quantized and len(shape) == 2) else None
         if dest is not None:
@@ -212,7 +220,7 @@ def _fused_targets(table: list[dict], cfg: ModelConfig) -> tuple[dict, dict[str,
     """For ``read_in_place``: each run of block-quantized parts (``_fuse_runs``) gets its fused matrix
     allocated once and every part is re-packed straight into its rows (no concatenation copy). Returns
     ({part weight name: QCode of row views}, {fused entries for the state dict}, those runs)."""
-    from ..kernels.gguf_quant import QCode, repack_format
+    from ..kernels.gguf_quant import QCode, code_rows, kq_code, kq_format, repack_format
 
     shapes, fmts, names = {}, {}, {_hf_name(e["name"]) for e in table}
     for e in table:
@@ -220,7 +228,7 @@ def _fused_targets(table: list[dict], cfg: ModelConfig) -> tuple[dict, dict[str,
         if not name.endswith(".weight") or len(e["shape"]) != 2:
             continue
         mod = name.removesuffix(".weight")
-        code = repack_format(e["type"])
+        code = kq_format(e["type"], tuple(e["shape"])) or repack_format(e["type"])
         shapes[mod] = e["shape"]
         fmts[mod] = ("q", *code[1:], mod + ".bias" in names) if code is not None else ("dense", mod + ".bias" in names)
     into, fused, runs = {}, {}, []
@@ -233,17 +241,19 @@ def _fused_targets(table: list[dict], cfg: ModelConfig) -> tuple[dict, dict[str,
         runs.append((out, p, run))
         _, group, bits, has_min, _ = f
         N, K = sum(shapes[p + r][0] for r in run), shapes[p + run[0]][1]
-        q = torch.empty(N, K * bits // 8, dtype=torch.uint8 if bits == 4 else torch.int8)
-        scale = torch.empty(N, K // group)
-        minv = torch.empty(N, K // group) if has_min else None
-        fused.update({out + "weight.q": q, out + "weight.scale": scale, out + "weight.qmeta": torch.tensor([group, bits])})
-        if minv is not None:
-            fused[out + "weight.minv"] = minv
+        if group == 256:  # the K-quant code (kq_format): every part's rows are whole tiles of 16
+            code = kq_code(N, K, bits)
+        else:
+            code = QCode(torch.empty(N, K * bits // 8, dtype=torch.uint8 if bits == 4 else torch.int8),
+                         torch.empty(N, K // group), torch.empty(N, K // group) if has_min else None, group, bits)
+        fused.update({out + "weight.q": code.q, out + "weight.scale": code.scale,
+                      out + "weight.qmeta": torch.tensor([group, bits])})
+        if code.minv is not None:
+            fused[out + "weight.minv"] = code.minv
         row = 0
         for r in run:
             n = shapes[p + r][0]
-            into[p + r + ".weight"] = QCode(q[row:row + n], scale[row:row + n],
-                                            None if minv is None else minv[row:row + n], group, bits)
+            into[p + r + ".weight"] = code_rows(code, row, n)
             row += n
     return into, fused, runs
 
@@ -414,7 +424,11 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep:
     from ..kernels import extension
 
     out = converted_dir(path)
+    from ..kernels import activation_bits
+
     tag = dtype if isinstance(dtype, str) else _dtype_name(dtype)
+    if tag == "gguf" and activation_bits() == 32:  # Q4_K / Q6_K kept in groups of 32 (kernels.gguf_quant.kq_format)
+        tag = "gguf-exact"
     weights = out / f"model-{tag}.safetensors"
     cfg_file = out / "draftwise_config.json"
     described = cfg_file.exists() and (out / "tokenizer_config.json").exists()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import bulk, extension
+from ..kernels import bulk, extension, parallel_torch, serial_torch
 from .base import MAX_TREE_TOKENS, KVCache, LogitsFor, ModelConfig, ModelOutput
 
 EXACT_MAX_T = MAX_TREE_TOKENS  # forwards of at most this many new tokens use the row-by-row (invariant) attention
@@ -119,9 +119,10 @@ class Attention(nn.Module):
                     mask = keys[None, :] <= (L + torch.arange(T))[:, None]  # (T, L+T)
                 else:  # tree: whole prefix + the new tokens the mask allows
                     mask = torch.cat([torch.ones(T, L, dtype=torch.bool), tree.mask[b]], dim=1)
-                out[b] = F.scaled_dot_product_attention(
-                    q[b:b + 1], k_cache[b:b + 1, :, :L + T], v_cache[b:b + 1, :, :L + T],
-                    attn_mask=mask, enable_gqa=True)[0]
+                with parallel_torch():
+                    out[b] = F.scaled_dot_product_attention(
+                        q[b:b + 1], k_cache[b:b + 1, :, :L + T], v_cache[b:b + 1, :, :L + T],
+                        attn_mask=mask, enable_gqa=True)[0]
         return self.o(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
     def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -210,6 +211,14 @@ class Transformer(nn.Module):
                 attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all",
                 layers: tuple[int, ...] | None = None, all_hidden: bool = False,
                 taps: tuple[int, ...] = ()) -> ModelOutput:
+        # torch's small ops on one thread, the kernel's matmuls on all (kernels.serial_torch)
+        with serial_torch():
+            return self._forward(input_ids, cache, positions=positions, attn_mask=attn_mask, logits_for=logits_for,
+                                 layers=layers, all_hidden=all_hidden, taps=taps)
+
+    def _forward(self, input_ids: torch.Tensor, cache: KVCache, *, positions: torch.Tensor | None,
+                 attn_mask: torch.Tensor | None, logits_for: LogitsFor, layers: tuple[int, ...] | None,
+                 all_hidden: bool, taps: tuple[int, ...]) -> ModelOutput:
         # input_ids: (B, T) new tokens of cache rows 0..B-1; attn_mask: (B, T, T) bool or None (causal)
         # all_hidden: ModelOutput.hidden holds every position's final state (B, T, D), whatever logits_for
         # says (a draft head's context after the prefill: drafters/eagle.py); the logits are unchanged
@@ -333,15 +342,19 @@ class QEmbedding(nn.Module):
                  dtype: torch.dtype):
         super().__init__()
         self.group, self.bits, self.dtype = group, bits, dtype
-        self.register_buffer("q", q)  # (V, D/2) uint8 | (V, D) int8
-        self.register_buffer("scale", scale)  # (V, D/G) float32
+        self.register_buffer("q", q)  # (V, D/2) uint8 | (V, D) int8 | (V/16, D/256 * tile) uint8 (K-quant)
+        self.register_buffer("scale", scale)  # (V, D/G) float32 | (V, 0)
         self.register_buffer("minv", minv)  # (V, D/G) float32, or empty
-        self.num_embeddings = q.shape[0]
+        self.num_embeddings = scale.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from ..kernels import dequantize
+        from ..kernels import KQ_BITS, dequantize, extension, kq_shape
 
         flat = ids.reshape(-1)  # (n,)
+        if self.bits in KQ_BITS:  # the K-quant code (csrc/kquant.h): its rows de-quantized in C++
+            V, D = kq_shape(self.q, self.bits)
+            rows = extension().kq_rows(self.q.view(-1), self.bits, V, D, flat.long())
+            return rows.to(self.dtype).view(*ids.shape, -1)
         minv = self.minv[flat] if self.minv.numel() else None
         rows = dequantize(self.q[flat], self.scale[flat], minv, self.group, self.bits)  # (n, D) float32
         return rows.to(self.dtype).view(*ids.shape, -1)

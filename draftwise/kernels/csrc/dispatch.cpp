@@ -1,7 +1,7 @@
 // Which path runs: what the CPU supports (cpuid on x86 through the compiler's __builtin_cpu_supports,
 // which also checks that the OS saves the wide registers; getauxval on Linux/ARM), intersected with what
-// was compiled in, unless DRAFTWISE_ISA names a path (to test a lower path on a bigger CPU). The chosen
-// path can be changed at run time (set_active) so that tests can run every path the CPU has.
+// was compiled in. The chosen path can be changed at run time (set_active: DRAFTWISE_ISA, applied from
+// Python, or tests running every path the CPU has, a lower path on a bigger CPU).
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -148,9 +148,7 @@ const IsaOps* path_by_name(const char* name) {
 const IsaOps* active() {
   const IsaOps* a = g_active.load(std::memory_order_acquire);
   if (a) return a;
-  const char* env = std::getenv("DRAFTWISE_ISA");
-  const IsaOps* chosen = (env && *env) ? path_by_name(env) : nullptr;
-  if (!chosen) chosen = best();  // an unusable DRAFTWISE_ISA is reported by the Python side, not here
+  const IsaOps* chosen = best();  // DRAFTWISE_ISA is applied by the Python side (kernels.extension: set_isa)
   g_active.store(chosen, std::memory_order_release);
   return chosen;
 }

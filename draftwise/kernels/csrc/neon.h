@@ -4,6 +4,9 @@
 // sum is built from vmull_s8 products (exact in int16) widened by pairwise adds. No std:: templates here.
 #include <arm_neon.h>
 
+#include <cstring>
+
+#include "kquant.h"
 #include "qmm.h"
 
 namespace {
@@ -138,6 +141,7 @@ inline void column_f32(const QmmArgs& a, int64_t n, int64_t m0) {
 }
 
 #include "neon_act.h"  // quantize_act_neon, silu_mul_neon, attend_groups_simd
+#include "kquant_neon.h"  // kq_qmm: the K-quant rule on these vectors
 #include "tiles.h"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
 
 }  // namespace

@@ -1,15 +1,29 @@
 // torch bindings of the kernel core (qmm.h): the only file that includes torch. Threads come from the
-// kernel's own pool (pool.h; as many as torch's at::get_num_threads()), split over output columns, so a
+// kernel's own pool (pool.h; as many as kernel_threads(): torch's unless set), split over output columns, so a
 // row's result never depends on the split.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <string>
 #include <vector>
 
+#include "kquant.h"
 #include "pool.h"
 #include "qmm.h"
 #include "repack.h"
+
+// The kernel's thread count: torch's (at::get_num_threads()) unless set_threads(n > 0) says otherwise —
+// the model runs short forwards with torch's own pool at one thread (kernels/__init__.py serial_torch:
+// torch's OpenMP threads woken for a small element-wise op stall for milliseconds on a busy core) and
+// the matmuls on this many threads.
+std::atomic<int> g_threads{0};
+int kernel_threads() {
+  const int t = g_threads.load(std::memory_order_relaxed);
+  return t > 0 ? t : at::get_num_threads();
+}
+void set_threads(int64_t n) { g_threads.store(n > 0 ? (int)n : 0, std::memory_order_relaxed); }
+int64_t get_threads() { return g_threads.load(std::memory_order_relaxed); }
 
 // x: (M, K) f32; q: (N, K) int8 | (N, K/2) uint8 | (N, K) int16 / int32 views of bf16 / fp32;
 // scale, minv: (N, K/G) f32 (minv may be empty). act_bits = 8: int8 activations where the format allows
@@ -50,7 +64,7 @@ torch::Tensor qmm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::
     dw::group_sums(a.x, M, K, G, xsum.data());
     a.xsum = xsum.data();
   }
-  dw::parallel_for(N, 16, at::get_num_threads(), [&](int64_t n0, int64_t n1) { dw::qmm_columns(ops, a, q8, n0, n1); });
+  dw::parallel_for(N, 16, kernel_threads(), [&](int64_t n0, int64_t n1) { dw::qmm_columns(ops, a, q8, n0, n1); });
   return out;
 }
 
@@ -65,8 +79,85 @@ torch::Tensor dequantize_bf16(torch::Tensor q, torch::Tensor scale, torch::Tenso
   const float* sp = scale.data_ptr<float>();
   const float* mp = has_min ? minv.data_ptr<float>() : nullptr;
   uint16_t* op = (uint16_t*)out.data_ptr();
-  dw::parallel_for(N, 64, at::get_num_threads(),
+  dw::parallel_for(N, 64, kernel_threads(),
                    [&](int64_t n0, int64_t n1) { dw::dequantize_bf16_rows(qp, sp, mp, K, G, bits, op, n0, n1); });
+  return out;
+}
+
+// The K-quant rule (kquant.h). x: (M, K) f32; w: the x16 layout of an (N, K) Q4_K / Q6_K tensor.
+torch::Tensor qmm_kq(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: (M, K) f32");
+  TORCH_CHECK(fmt == dw::kKq4 || fmt == dw::kKq6, "qmm_kq: format must be Q4_K (12) or Q6_K (14)");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % dw::QK == 0, "qmm_kq: K must be a multiple of 256");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == dw::kq_bytes((int)fmt, N, K),
+              "qmm_kq: w does not hold an (N, K) tensor of this format");
+  auto out = torch::empty({M, N}, x.options());
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * (K / dw::QK));
+  std::vector<int32_t> b16n(M * (K / 16)), b32(M * (K / 32));
+  const int threads = kernel_threads();
+  const float* xp = x.data_ptr<float>();
+  dw::parallel_for(M, 1, threads, [&](int64_t m0, int64_t m1) {
+    dw::act_q8k(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * (K / dw::QK), b16n.data() + m0 * (K / 16),
+                b32.data() + m0 * (K / 32));
+  });
+  dw::KqArgs a{};
+  a.M = M, a.K = K, a.N = N, a.fmt = (int)fmt;
+  a.w = w.data_ptr<uint8_t>();
+  a.act = {q.data(), d.data(), b16n.data(), b32.data()};
+  a.out = out.data_ptr<float>();
+  const dw::IsaOps* ops = dw::active();  // the fastest for this rule at every row count (kernels._tune_multi)
+  dw::parallel_for(dw::kq_tiles(N), 1, threads, [&](int64_t t0, int64_t t1) { ops->qmm_k(a, t0, t1); });
+  return out;
+}
+
+// GGUF Q4_K / Q6_K bytes of an (N, K) tensor (rows one after the other) -> the x16 layout (kquant.h),
+// written into `out` (kq_bytes uint8, e.g. the rows of a fused matrix) or, when it is empty, a new tensor
+torch::Tensor kq_pack(torch::Tensor src, int64_t fmt, int64_t N, int64_t K, torch::Tensor out) {
+  TORCH_CHECK(fmt == dw::kKq4 || fmt == dw::kKq6, "kq_pack: format must be Q4_K (12) or Q6_K (14)");
+  TORCH_CHECK(K % dw::QK == 0, "kq_pack: K must be a multiple of 256");
+  TORCH_CHECK(src.scalar_type() == torch::kUInt8 && src.is_contiguous() &&
+              src.numel() == N * (K / dw::QK) * (fmt == dw::kKq4 ? 144 : 210), "kq_pack: src size");
+  if (out.numel() == 0) out = torch::empty({dw::kq_bytes((int)fmt, N, K)}, torch::TensorOptions().dtype(torch::kUInt8));
+  TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.is_contiguous() && out.numel() == dw::kq_bytes((int)fmt, N, K),
+              "kq_pack: out size");
+  const uint8_t* sp = src.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  dw::parallel_for(N, 16, kernel_threads(),
+                   [&](int64_t n0, int64_t n1) { dw::kq_pack_rows((int)fmt, sp, N, K, op, n0, n1); });
+  return out;
+}
+
+// rows idx of an x16-layout (N, K) tensor, de-quantized: (len(idx), K) f32 (an embedding lookup)
+torch::Tensor kq_rows(torch::Tensor w, int64_t fmt, int64_t N, int64_t K, torch::Tensor idx) {
+  TORCH_CHECK(fmt == dw::kKq4 || fmt == dw::kKq6, "kq_rows: format must be Q4_K (12) or Q6_K (14)");
+  TORCH_CHECK(K % dw::QK == 0 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
+              w.numel() == dw::kq_bytes((int)fmt, N, K), "kq_rows: w size");
+  TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.dim() == 1, "kq_rows: idx (n,) int64");
+  auto ic = idx.contiguous();
+  const int64_t n = ic.numel();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "kq_rows: row index out of range");
+  auto out = torch::empty({n, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    dw::kq_dequant_rows((int)fmt, wp, N, K, op + i * K, ip[i], ip[i] + 1);
+  }
+  return out;
+}
+
+// the x16 layout -> (N, K) f32 weights (kquant.h kq_dequant_rows)
+torch::Tensor kq_dequant(torch::Tensor w, int64_t fmt, int64_t N, int64_t K) {
+  TORCH_CHECK(fmt == dw::kKq4 || fmt == dw::kKq6, "kq_dequant: format must be Q4_K (12) or Q6_K (14)");
+  TORCH_CHECK(K % dw::QK == 0 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
+              w.numel() == dw::kq_bytes((int)fmt, N, K), "kq_dequant: w size");
+  auto out = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  dw::parallel_for(N, 16, kernel_threads(),
+                   [&](int64_t n0, int64_t n1) { dw::kq_dequant_rows((int)fmt, wp, N, K, op + n0 * K, n0, n1); });
   return out;
 }
 
@@ -88,7 +179,7 @@ void repack_gguf(torch::Tensor src, int64_t type, int64_t N, int64_t K, torch::T
   uint8_t* qp = (uint8_t*)q.data_ptr();
   float* scp = scale.data_ptr<float>();
   float* mp = f.has_min ? minv.data_ptr<float>() : nullptr;
-  dw::parallel_for(N, 16, at::get_num_threads(),
+  dw::parallel_for(N, 16, kernel_threads(),
                    [&](int64_t n0, int64_t n1) { dw::repack_rows((int)type, sp, K, qp, scp, mp, n0, n1); });
 }
 
@@ -135,7 +226,7 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   auto out = torch::empty({B, T, nh * hd}, qkv.options());
   float* op = out.data_ptr<float>();
   const dw::IsaOps* ops = dw::active();
-  const int threads = at::get_num_threads();
+  const int threads = kernel_threads();
   const int64_t hc = dw::attend_heads_per_group(B, T, nh, nkv, threads);  // heads per group
   dw::parallel_for(B * T * nh / hc, 1, threads, [&](int64_t i0, int64_t i1) {  // groups: (row, token, hc heads)
     std::vector<float> p(most * hc);
@@ -183,12 +274,27 @@ std::string cpu_features() { return dw::cpu_features(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "weight-only quantized matmul (CPU), the rule of qmm.h on the active path");
+  m.def("qmm_kq", &qmm_kq, "the K-quant rule (kquant.h): x @ W^T for Q4_K / Q6_K weights in the x16 layout");
+  m.def("kq_pack", &kq_pack, "GGUF Q4_K / Q6_K rows -> the x16 layout");
+  m.def("kq_rows", &kq_rows, "rows of an x16-layout tensor, de-quantized (embedding lookups)");
+  m.def("kq_dequant", &kq_dequant, "x16 layout -> (N, K) f32 weights");
   m.def("dequantize_bf16", &dequantize_bf16, "int4 / int8 code -> (N, K) bf16 weights");
   m.def("repack_gguf", &repack_gguf, "GGUF blocks -> the kernel's code, exactly (repack.h)");
   m.def("repack_format", &repack_format, "(group, bits, has_min) of a re-packed ggml type, or None");
   m.def("decode_attention", &decode_attention, "rotary + KV append + attention for short forwards (layers.cpp)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, fp32 (layers.cpp)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] projection, fp32 (layers.cpp)");
+  m.def("set_threads", &set_threads, "the kernel's thread count (0: torch's)");
+  m.def("get_threads", &get_threads, "the kernel's thread count as set (0: torch's)");
+  m.def("add_bias_", [](torch::Tensor y, torch::Tensor b) {
+    TORCH_CHECK(y.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32 && y.is_contiguous() &&
+                b.is_contiguous() && y.size(-1) == b.numel(), "add_bias_: contiguous f32 (M, N) and (N,)");
+    float* yp = y.data_ptr<float>();
+    const float* bp = b.data_ptr<float>();
+    const int64_t N = b.numel(), M = y.numel() / N;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
+  }, "y += b on this thread (no torch thread pool: a short forward's bias)");
   m.def("isa", &isa, "the instruction-set path in use");
   m.def("set_isa", &set_isa, "force a path (scalar, avx2, avxvnni, avx512, avx512vnni, neon, neondot, vnni, auto)");
   m.def("set_isa_multi", &set_isa_multi, "the path for calls of 3 or more rows ('' = the same as isa())");

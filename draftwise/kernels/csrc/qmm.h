@@ -38,6 +38,8 @@
 
 namespace dw {
 
+struct KqArgs;  // kquant.h: the K-quant rule's call
+
 constexpr int64_t ACT_BLOCK = 32;  // activations are quantized per row in blocks of 32 values
 constexpr int64_t STEP_BYTES = 64;  // code bytes per step (16 lanes of 4 bytes)
 constexpr int LANES = 16;
@@ -76,6 +78,8 @@ struct IsaOps {
   void (*attend_groups)(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B,
                         int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, float* out,
                         int64_t i0, int64_t i1, float* scratch, const int64_t* vis, const int64_t* nvis);
+  // the K-quant rule (kquant.h) over tiles t0..t1 of 16 columns
+  void (*qmm_k)(const KqArgs& a, int64_t t0, int64_t t1);
 };
 
 // int8 activations apply when the code rows split into whole 32-byte half steps
@@ -136,7 +140,7 @@ const IsaOps* neondot_ops();
 const char* cpu_features();            // e.g. "avx2 fma f16c" as found by cpuid / getauxval
 int available_paths(const char** names, int cap);  // compiled in AND supported by this CPU
 const IsaOps* path_by_name(const char* name);      // null if unknown, not compiled or not supported
-const IsaOps* active();                // DRAFTWISE_ISA (if set) else the best available
+const IsaOps* active();                // the path set by set_active (DRAFTWISE_ISA, from Python), else the best available
 // Force a path ("vnni" = the best VNNI path; "auto" = best). Returns false (and changes nothing) when
 // the name is unknown or this CPU cannot run it.
 bool set_active(const char* name);  // also clears the multi-row path below

@@ -5,7 +5,7 @@
 #include "neon.h"
 namespace dw {
 const IsaOps* neon_ops() {
-  static const IsaOps ops = {"neon", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_simd};
+  static const IsaOps ops = {"neon", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_simd, kq_qmm};
   return &ops;
 }
 }  // namespace dw

@@ -8,7 +8,7 @@
 #pragma GCC pop_options
 namespace dw {
 const IsaOps* neondot_ops() {
-  static const IsaOps ops = {"neondot", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_simd};
+  static const IsaOps ops = {"neondot", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_simd, kq_qmm};
   return &ops;
 }
 }  // namespace dw

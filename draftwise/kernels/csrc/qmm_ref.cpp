@@ -2,6 +2,7 @@
 // path must produce exactly these bits (tests/test_kernels.py and selftest.cpp compare them). Also the
 // activation quantization and group sums shared by all paths (plain C++, so the same on every CPU).
 #include "qmm.h"
+#include "kquant.h"
 
 #include <cmath>
 #include <cstring>
@@ -82,7 +83,7 @@ void ref_f32(const QmmArgs& a, int64_t n0, int64_t n1) {
 
 }  // namespace
 
-const IsaOps kScalar = {"scalar", ref_q8, ref_f32, quantize_act, silu_mul, attend_groups};
+const IsaOps kScalar = {"scalar", ref_q8, ref_f32, quantize_act, silu_mul, attend_groups, kq_ref};
 
 ActQ8Sizes act_sizes(int64_t M, int64_t K, int64_t G, int64_t bits) {
   return {M * K, M * nsteps(K, bits) * 16, M * (K / G)};

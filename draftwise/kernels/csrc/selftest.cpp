@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "kquant.h"
 #include "pool.h"
 #include "qmm.h"
 #include "repack.h"
@@ -237,6 +238,82 @@ uint64_t check_repack() {
   return h;
 }
 
+// The K-quant rule (kquant.h): random GGUF Q4_K / Q6_K blocks (finite fp16 scales: normal, subnormal,
+// negative) re-laid out in two row ranges, N = 37 (a partial tile) and 32; every path must equal the
+// reference for 13 rows and for rows alone; the reference is checked loosely against doubles. Prints one
+// checksum per format (pinned: the same on ARM).
+int check_kquant(const char* const* names, int npaths) {
+  int failures = 0;
+  for (int fmt : {dw::kKq4, dw::kKq6}) {
+    uint64_t h = 1469598103934665603ull;
+    bool ok = true;
+    for (int64_t N : {37, 32}) {
+      const int64_t K = 512, M = 13, nb = K / dw::QK, gb = fmt == dw::kKq4 ? 144 : 210;
+      std::vector<uint8_t> src(N * nb * gb), w(dw::kq_bytes(fmt, N, K));
+      for (auto& b : src) b = (uint8_t)next_u32();
+      for (int64_t i = 0; i < N * nb; ++i)
+        for (int k = 0; k < (fmt == dw::kKq4 ? 2 : 1); ++k) {
+          uint16_t v = (uint16_t)(next_u32() & 0xBBFF);  // finite
+          if (i % 7 == 3) v = (uint16_t)(v & 0x83FF);    // subnormal
+          v = (uint16_t)((v & 0x8000) | ((v & 0x7FFF) % 0x2400));  // |d| < 2^-6: sums stay in range
+          std::memcpy(&src[i * gb + (fmt == dw::kKq4 ? 2 * k : 208)], &v, 2);
+        }
+      dw::kq_pack_rows(fmt, src.data(), N, K, w.data(), 0, 5);
+      dw::kq_pack_rows(fmt, src.data(), N, K, w.data(), 5, N);
+      std::vector<float> x(M * K);
+      for (auto& v : x) v = next_f() * 3.0f;
+      for (int64_t k = 0; k < 256; ++k) x[k] = 0.f;  // an all-zero activation block
+      x[K + 5] = 1e4f;                                // a block with one huge value
+      auto run = [&](const dw::IsaOps* ops, const float* xp, int64_t rows) {
+        std::vector<int8_t> q(rows * K);
+        std::vector<float> d(rows * nb), out(rows * N);
+        std::vector<int32_t> b16n(rows * (K / 16)), b32(rows * (K / 32));
+        dw::act_q8k(xp, rows, K, q.data(), d.data(), b16n.data(), b32.data());
+        dw::KqArgs a{};
+        a.M = rows, a.K = K, a.N = N, a.fmt = fmt, a.w = w.data(), a.out = out.data();
+        a.act = {q.data(), d.data(), b16n.data(), b32.data()};
+        const int64_t tiles = dw::kq_tiles(N);
+        ops->qmm_k(a, 0, 1);
+        ops->qmm_k(a, 1, tiles);
+        return out;
+      };
+      const std::vector<float> ref = run(&dw::kScalar, x.data(), M);
+      for (int p = 0; p < npaths; ++p) {
+        const dw::IsaOps* ops = dw::path_by_name(names[p]);
+        if (std::memcmp(run(ops, x.data(), M).data(), ref.data(), ref.size() * 4)) {
+          std::printf("MISMATCH kquant-%d N=%lld on path %s\n", fmt, (long long)N, names[p]);
+          ok = false;
+        }
+        for (int64_t m : {0, 1, 12}) {
+          if (std::memcmp(run(ops, x.data() + m * K, 1).data(), ref.data() + m * N, N * 4)) {
+            std::printf("NOT BATCH-INVARIANT kquant-%d on path %s (row %lld)\n", fmt, names[p], (long long)m);
+            ok = false;
+          }
+        }
+      }
+      // the reference against doubles: de-quantized weights times row 2
+      std::vector<float> wd(N * K);
+      dw::kq_dequant_rows(fmt, w.data(), N, K, wd.data(), 0, N);
+      double err = 0, mag = 0;
+      for (int64_t n = 0; n < N; ++n) {
+        double dsum = 0;
+        for (int64_t k = 0; k < K; ++k) dsum += (double)wd[n * K + k] * x[2 * K + k];
+        err = std::fmax(err, std::fabs(dsum - ref[2 * N + n]));
+        mag = std::fmax(mag, std::fabs(dsum));
+      }
+      if (!(err <= 0.02 * mag)) {
+        std::printf("INACCURATE kquant-%d: max error %g of %g\n", fmt, err, mag);
+        ok = false;
+      }
+      h = fnv(w.data(), w.size(), fnv(ref.data(), ref.size() * 4, h));
+    }
+    std::printf("%-20s %016llx %s\n", fmt == dw::kKq4 ? "kquant-q4k" : "kquant-q6k", (unsigned long long)h,
+                ok ? "ok" : "FAIL");
+    failures += !ok;
+  }
+  return failures;
+}
+
 }  // namespace
 
 int main() {
@@ -348,6 +425,7 @@ int main() {
     failures += bad;
   }
   failures += check_pool();
+  failures += check_kquant(names, npaths);
   {
     const uint64_t h = check_repack();
     std::printf("%-20s %016llx %s\n", "gguf-repack", (unsigned long long)h, h ? "ok" : "FAIL");

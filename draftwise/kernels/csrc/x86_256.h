@@ -11,6 +11,9 @@
 // (and picked by the linker for) code that runs on CPUs without these instructions.
 #include <immintrin.h>
 
+#include <cstring>
+
+#include "kquant.h"
 #include "qmm.h"
 
 namespace {
@@ -202,6 +205,8 @@ inline void column_f32(const QmmArgs& a, int64_t n, int64_t m0) {
   }
 }
 
+#define KQ_BITS 256
+#include "kquant_x86.h"  // kq_qmm: the K-quant rule on these vectors
 #include "tiles.h"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
 
 }  // namespace

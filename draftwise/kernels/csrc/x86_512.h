@@ -4,6 +4,9 @@
 // the sign onto x with a byte mask (AVX-512 has no vpsignb). No std:: templates here (see x86_256.h).
 #include <immintrin.h>
 
+#include <cstring>
+
+#include "kquant.h"
 #include "qmm.h"
 
 namespace {
@@ -144,6 +147,8 @@ inline void column_f32(const QmmArgs& a, int64_t n, int64_t m0) {
 }
 
 #include "x86_act.h"  // quantize_act_x86, silu_mul_x86, attend_groups_simd (256-bit)
+#define KQ_BITS 512
+#include "kquant_x86.h"  // kq_qmm: the K-quant rule on these vectors
 #include "tiles.h"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
 
 }  // namespace

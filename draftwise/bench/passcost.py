@@ -1,0 +1,196 @@
+"""What verifying costs: one target forward over T new tokens against one over a single token, and prefill
+speed, for draftwise's kernel and (when llama-cpp-python is installed) llama.cpp on the same GGUF.
+
+Speculative decoding pays only when a pass over γ + 1 tokens costs about what a pass over one costs; this
+table is the shape every drafter's speed-up is bounded by (``gamma.py`` prices steps with it). Each cell is
+the median over ``repeats`` rounds of the fastest of two timings of a forward after ``context`` cached
+tokens (all T positions' logits, as verification needs them); prefill is a forward over P prompt tokens
+from an empty cache (the last position's logits).
+
+    draftwise bench-forward [--target NAME|GGUF] [--sizes 1,2,4,8,16,32] [--llama] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = (1, 2, 4, 8, 16, 32)
+PREFILL = (64, 128, 256, 512)
+
+
+def _ids(n: int, vocab: int) -> list[int]:
+    return [(i * 7919 + 13) % vocab for i in range(n)]
+
+
+@torch.inference_mode()
+def draftwise_costs(model, sizes=SIZES, context: int = 64, repeats: int = 5, prefill=PREFILL) -> dict:
+    """Seconds per forward over T new tokens (median of ``repeats`` bests of two) and prefill tok/s."""
+    vocab = model.config.vocab_size
+    ids = torch.tensor([_ids(context + max(sizes) + max(prefill or [1]), vocab)])  # (1, n)
+    cache = model.new_cache(1, ids.shape[1] + 1)
+    model.forward(ids[:, :context], cache, logits_for="last")
+    rounds: dict[int, list[float]] = {T: [] for T in sizes}
+    for _ in range(repeats):
+        for T in sizes:
+            best = float("inf")
+            for _ in range(2):
+                cache.set_lengths(context)
+                t0 = time.perf_counter()
+                model.forward(ids[:, context:context + T], cache, logits_for="all")
+                best = min(best, time.perf_counter() - t0)
+            rounds[T].append(best)
+    forward = {T: statistics.median(v) for T, v in rounds.items()}
+    pre = {}
+    for P in prefill or ():
+        times = []
+        for _ in range(max(1, repeats // 2)):
+            cache.set_lengths(0)
+            t0 = time.perf_counter()
+            model.forward(ids[:, :P], cache, logits_for="last")
+            times.append(time.perf_counter() - t0)
+        pre[P] = P / statistics.median(times)
+    cache.set_lengths(0)
+    return {"forward_s": forward, "prefill_tok_s": pre}
+
+
+def llama_costs(gguf: str, sizes=SIZES, context: int = 64, repeats: int = 5, prefill=PREFILL,
+                threads: int | None = None) -> dict:
+    """The same table for llama.cpp (llama-cpp-python) on the same file: ``Llama.eval`` over T tokens after
+    ``context`` cached ones (the KV cache trimmed back each time), all logits kept."""
+    from .llama_peers import require_llama_cpp
+
+    llama_cpp = require_llama_cpp(["llama-ar"])
+    threads = threads or torch.get_num_threads()
+    n_ctx = context + max(sizes) + max(prefill or [1]) + 8
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=max(512, max(prefill or [1])), n_threads=threads,
+                          n_threads_batch=threads, logits_all=True, verbose=False)
+    vocab = llm.n_vocab()
+    ids = _ids(context + max(sizes) + max(prefill or [1]), vocab)
+
+    def rewind(n: int) -> None:
+        llm._ctx.kv_cache_seq_rm(-1, n, -1)
+        llm.n_tokens = n
+
+    rewind(0)
+    llm.eval(ids[:context])
+    rounds: dict[int, list[float]] = {T: [] for T in sizes}
+    for _ in range(repeats):
+        for T in sizes:
+            best = float("inf")
+            for _ in range(2):
+                rewind(context)
+                t0 = time.perf_counter()
+                llm.eval(ids[context:context + T])
+                best = min(best, time.perf_counter() - t0)
+            rounds[T].append(best)
+    forward = {T: statistics.median(v) for T, v in rounds.items()}
+    pre = {}
+    for P in prefill or ():
+        times = []
+        for _ in range(max(1, repeats // 2)):
+            rewind(0)
+            t0 = time.perf_counter()
+            llm.eval(ids[:P])
+            times.append(time.perf_counter() - t0)
+        pre[P] = P / statistics.median(times)
+    return {"forward_s": forward, "prefill_tok_s": pre}
+
+
+def markdown(res: dict) -> str:
+    sizes = sorted(int(t) for t in res["draftwise"]["forward_s"])
+    rows = [("draftwise", res["draftwise"])] + ([("llama.cpp", res["llama"])] if res.get("llama") else [])
+    out = [f"Forward over T new tokens after {res['context']} cached ({res['target']}, {res['threads']} threads, "
+           f"{res['cpu']}, kernel path {res['isa']}); ms, and x the cost of T = 1", "",
+           "| | " + " | ".join(f"T={t}" for t in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for name, r in rows:
+        f = {int(k): v for k, v in r["forward_s"].items()}
+        out.append(f"| {name} | " + " | ".join(f"{f[t] * 1e3:.1f} ({f[t] / f[1]:.2f}x)" for t in sizes) + " |")
+    pre = sorted(int(p) for p in res["draftwise"]["prefill_tok_s"])
+    if pre:
+        out += ["", "Prefill (tokens/s) of a P-token prompt", "", "| | " + " | ".join(f"P={p}" for p in pre) + " |",
+                "|---|" + "---|" * len(pre)]
+        for name, r in rows:
+            p = {int(k): v for k, v in r["prefill_tok_s"].items()}
+            out.append(f"| {name} | " + " | ".join(f"{p[x]:.1f}" for x in pre) + " |")
+    return "\n".join(out) + "\n"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(target: str, sizes=SIZES, context: int = 64, repeats: int = 5, prefill=PREFILL, llama: bool = False) -> dict:
+    from ..kernels import isa, kernel_info
+    from ..models import load_model
+    from ..models.registry import resolve
+
+    loaded = load_model(target, "auto", progress=True)
+    res = {"target": target, "context": context, "threads": torch.get_num_threads(), "cpu": cpu_name(),
+           "isa": isa(), "kernel": kernel_info(), "draftwise": draftwise_costs(loaded.model, sizes, context, repeats,
+                                                                              prefill)}
+    del loaded
+    if llama:
+        res["llama"] = llama_costs(str(resolve(target, progress=False)), sizes, context, repeats, prefill)
+    return res
+
+
+def add_arguments(p) -> None:
+    from ..api import DEFAULT_TARGET
+
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"model name or GGUF path (default {DEFAULT_TARGET})")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="new-token counts T (default 1,2,4,8,16,32)")
+    p.add_argument("--prefill", default=",".join(map(str, PREFILL)),
+                   help="prompt lengths P for prefill tok/s ('' to skip; default 64,128,256,512)")
+    p.add_argument("--context", type=int, default=64, help="cached tokens before each forward (default 64)")
+    p.add_argument("--repeats", type=int, default=5, help="rounds; each cell is their median (default 5)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--llama", action="store_true", help="also llama.cpp on the same GGUF (llama-cpp-python)")
+    p.add_argument("--out", default=None, help="write passcost.json and passcost.md into this folder")
+
+
+def cmd(a) -> int:
+    from ..errors import InvalidParameterError
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    try:
+        sizes = tuple(int(s) for s in a.sizes.split(",") if s.strip())
+        prefill = tuple(int(s) for s in a.prefill.split(",") if s.strip())
+    except ValueError:
+        raise InvalidParameterError("--sizes / --prefill take comma-separated integers") from None
+    if not sizes or min(sizes) < 1 or 1 not in sizes or (prefill and min(prefill) < 1):
+        raise InvalidParameterError("--sizes must list positive counts, 1 among them; --prefill positive lengths")
+    if a.context < 1 or a.repeats < 1:
+        raise InvalidParameterError("--context and --repeats must be >= 1")
+    res = run(a.target, sizes, a.context, a.repeats, prefill, a.llama)
+    md = markdown(res)
+    print(md)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "passcost.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / "passcost.md").write_text(md)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m draftwise.bench.passcost", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return cmd(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+// The K-quant rule: Q4_K and Q6_K weights computed from the GGUF's own integers, with the sub-block
+// scales applied in integer arithmetic and one float step per super-block of 256 (the formats of a
+// Q4_K_M / Q5_K_M / Q6_K file's large matrices). Other formats keep the rule of qmm.h.
+//
+// LAYOUT ("x16": 16 output columns interleaved, the GGUF's bytes re-laid out at load, never re-quantized)
+//   A tensor (N, K) is cut into tiles of 16 consecutive output columns (rows of W; the last tile padded
+//   with zero columns) and each tile into K / 256 super-blocks; tile t's super-block b lives at
+//   (t * (K / 256) + b) * TILE bytes. Inside, every array is [item][column], 16 columns per item:
+//   Q4_K (KQ4_TILE = 2368 bytes):
+//     qs  [32][16][4]  u8   group g of a column = its GGUF qs bytes 4g..4g+3 (low nibble of qs byte i =
+//                            weight 64 (i / 32) + i % 32, high nibble = that + 32)
+//     sc  [8][16]      u8   the 6-bit sub-block scales, unpacked
+//     m   [8][16]      u8   the 6-bit sub-block mins, unpacked
+//     d   [16]         fp16 dmin [16] fp16
+//   Q6_K (KQ6_TILE = 3392 bytes, 32 of them padding so that every block starts on 64 bytes):
+//     ql  [32][16][4]  u8   GGUF ql bytes 4g..4g+3      qh [16][16][4] u8   GGUF qh bytes 4g..4g+3
+//     sc  [16][16]     i8   the 8-bit sub-block scales  d  [16]        fp16
+//   Bytes per column and super-block: Q4_K 148 (GGUF: 144; the packed 6-bit scales are unpacked),
+//   Q6_K 212 (GGUF: 210).
+//
+// ACTIVATIONS (act_q8k): each row is quantized in blocks of 256: dx = amax / 127 and
+//   qx = round_even(x * (127 / amax)) (0 where amax = 0), as qmm.h's blocks of 32 but over 256 values.
+//   With them: b16n[j] = -32 * (sum of qx over values 16j..16j+15) and b32[j] = sum over 32j..32j+31.
+//
+// THE RULE (bit-identical on every path and for any number of rows; integer sums are exact in any order):
+//   For each (row, column), acc = 0, then for each super-block b in k order:
+//   Q4_K: S  = sum_j sc_j * (sum over sub-block j (32 weights) of q_k * qx_k)          (int32, exact)
+//         Mn = sum_j m_j * b32_j                                                       (int32, exact)
+//         acc = fma(float(S), d * dx, acc); acc = fma(float(Mn), -(dmin * dx), acc)
+//   Q6_K: u_k = q_k + 32 in [0, 63] (the file's 6-bit code);
+//         S  = sum_j sc_j * (sum over sub-block j (16 weights) of u_k * qx_k + b16n_j)  (int32, exact)
+//         acc = fma(float(S), d * dx, acc)
+//   out = acc. (d, dmin: fp16 -> fp32 exactly; d * dx one rounding; float(int32) rounds to nearest even.)
+//   No float operation depends on how the columns or rows are grouped into registers, so every path
+//   keeps the 16 columns of a tile in vector lanes and computes exactly these scalar chains.
+// Ranges: |S| < 2^25 (Q4_K: 8 * 63 * 32 * 15 * 127; Q6_K: 16 * 128 * 16 * 32 * 127 < 2^27): no overflow.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace dw {
+
+constexpr int64_t QK = 256;        // values per super-block
+constexpr int64_t KQ_COLS = 16;    // columns per tile
+constexpr int64_t KQ4_TILE = 2368;
+constexpr int64_t KQ6_TILE = 3392;
+// offsets inside one tile super-block
+constexpr int64_t KQ4_QS = 0, KQ4_SC = 2048, KQ4_M = 2176, KQ4_D = 2304, KQ4_DMIN = 2336;
+constexpr int64_t KQ6_QL = 0, KQ6_QH = 2048, KQ6_SC = 3072, KQ6_D = 3328;
+
+enum KqFormat : int { kKq4 = 12, kKq6 = 14 };  // = the ggml type ids of Q4_K and Q6_K
+
+inline int64_t kq_tile_bytes(int fmt) { return fmt == kKq4 ? KQ4_TILE : KQ6_TILE; }
+inline int64_t kq_tiles(int64_t N) { return (N + KQ_COLS - 1) / KQ_COLS; }
+inline int64_t kq_bytes(int fmt, int64_t N, int64_t K) { return kq_tiles(N) * (K / QK) * kq_tile_bytes(fmt); }
+
+// One call's quantized activations, M rows (built by act_q8k)
+struct ActQ8K {
+  const int8_t* q;      // (M, K) natural order
+  const float* d;       // (M, K / 256)
+  const int32_t* b16n;  // (M, K / 16) -32 * sums over 16
+  const int32_t* b32;   // (M, K / 32) sums over 32
+};
+
+struct KqArgs {
+  int64_t M, K, N;
+  int fmt;
+  const uint8_t* w;  // kq_bytes(fmt, N, K)
+  ActQ8K act;
+  float* out;        // (M, N)
+};
+
+// the reference quantization (every path uses it: the same bits everywhere)
+void act_q8k(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32);
+// the reference product for tiles t0..t1 (the rule written out one column at a time)
+void kq_ref(const KqArgs& a, int64_t t0, int64_t t1);
+// GGUF rows (n0..n1 of an (N, K) Q4_K / Q6_K tensor whose rows lie one after the other at src) -> their
+// columns of the x16 layout at dst (kq_bytes(fmt, N, K) bytes; padding columns are written by the tile
+// that holds column N - 1: zero)
+void kq_pack_rows(int fmt, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int64_t n0, int64_t n1);
+// x16 layout -> fp32 weights w = d * sc * q - dmin * m (Q4_K) / d * sc * (u - 32) (Q6_K) of rows n0..n1,
+// row n at out + (n - n0) * K, every product rounded as written (reference de-quantization, embedding
+// lookups, de-quantized prefill, tests)
+void kq_dequant_rows(int fmt, const uint8_t* w, int64_t N, int64_t K, float* out, int64_t n0, int64_t n1);
+
+}  // namespace dw

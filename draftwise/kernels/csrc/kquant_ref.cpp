@@ -1,0 +1,190 @@
+// The K-quant rule (kquant.h) in plain C++: the activation quantization every path uses, the reference
+// product every SIMD path must equal bit for bit, and the GGUF -> x16 re-layout.
+#include "kquant.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "qmm.h"    // round_even
+#include "repack.h"  // half_to_float
+
+namespace dw {
+
+void act_q8k(const float* xp, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32) {
+  const int64_t nb = K / QK;
+  for (int64_t i = 0; i < M; ++i) {
+    const float* x = xp + i * K;
+    int8_t* qi = q + i * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + b * QK;
+      float amax = 0.f;
+      for (int64_t k = 0; k < QK; ++k) {
+        const float v = std::fabs(xb[k]);
+        amax = v > amax ? v : amax;  // NaN never wins
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      d[i * nb + b] = amax / 127.f;
+      int8_t* qb = qi + b * QK;
+      for (int64_t k = 0; k < QK; ++k) qb[k] = (int8_t)round_even(xb[k] * inv);
+      for (int64_t j = 0; j < QK / 16; ++j) {
+        int32_t s = 0;
+        for (int64_t k = 16 * j; k < 16 * j + 16; ++k) s += qb[k];
+        b16n[i * (K / 16) + b * 16 + j] = -32 * s;
+      }
+      for (int64_t j = 0; j < QK / 32; ++j) {
+        int32_t s = 0;
+        for (int64_t k = 32 * j; k < 32 * j + 32; ++k) s += qb[k];
+        b32[i * (K / 32) + b * 8 + j] = s;
+      }
+    }
+  }
+}
+
+namespace {
+
+inline float h2f(const uint8_t* p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
+
+// the tile super-block holding column n's block b, and n's place (0..15) in it
+inline const uint8_t* block_of(const uint8_t* w, int fmt, int64_t K, int64_t n, int64_t b, int* c) {
+  *c = (int)(n % KQ_COLS);
+  return w + ((n / KQ_COLS) * (K / QK) + b) * kq_tile_bytes(fmt);
+}
+
+// column c's 6-bit code of value v (0..255) of a Q6_K tile block
+inline int q6_code(const uint8_t* blk, int c, int v) {
+  const int h = v / 128, r = v % 128, part = r / 32, l = r % 32;  // ql byte: 64h + 32 (part & 1) + l
+  const int qlb = 64 * h + 32 * (part & 1) + l, qhb = 32 * h + l;
+  const uint8_t ql = blk[KQ6_QL + ((qlb / 4) * 16 + c) * 4 + qlb % 4];
+  const uint8_t qh = blk[KQ6_QH + ((qhb / 4) * 16 + c) * 4 + qhb % 4];
+  const int lo = part < 2 ? (ql & 15) : (ql >> 4);
+  return lo | (((qh >> (2 * part)) & 3) << 4);
+}
+
+// column c's 4-bit code of value v of a Q4_K tile block
+inline int q4_code(const uint8_t* blk, int c, int v) {
+  const int chunk = v / 64, r = v % 64, byte = 32 * chunk + r % 32;
+  const uint8_t b = blk[KQ4_QS + ((byte / 4) * 16 + c) * 4 + byte % 4];
+  return r < 32 ? (b & 15) : (b >> 4);
+}
+
+}  // namespace
+
+void kq_ref(const KqArgs& a, int64_t t0, int64_t t1) {
+  const int64_t K = a.K, nb = K / QK;
+  for (int64_t n = t0 * KQ_COLS; n < t1 * KQ_COLS && n < a.N; ++n) {
+    for (int64_t m = 0; m < a.M; ++m) {
+      const int8_t* x = a.act.q + m * K;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int c;
+        const uint8_t* blk = block_of(a.w, a.fmt, K, n, b, &c);
+        const float dx = a.act.d[m * nb + b];
+        const int8_t* xb = x + b * QK;
+        if (a.fmt == kKq4) {
+          int32_t S = 0, Mn = 0;
+          for (int j = 0; j < 8; ++j) {
+            int32_t I = 0;
+            for (int v = 32 * j; v < 32 * j + 32; ++v) I += q4_code(blk, c, v) * xb[v];
+            S += (int32_t)blk[KQ4_SC + 16 * j + c] * I;
+            Mn += (int32_t)blk[KQ4_M + 16 * j + c] * a.act.b32[m * (K / 32) + 8 * b + j];
+          }
+          const float d = h2f(blk + KQ4_D + 2 * c), dmin = h2f(blk + KQ4_DMIN + 2 * c);
+          acc = std::fma((float)S, d * dx, acc);
+          acc = std::fma((float)Mn, -(dmin * dx), acc);
+        } else {
+          int32_t S = 0;
+          for (int j = 0; j < 16; ++j) {
+            int32_t I = a.act.b16n[m * (K / 16) + 16 * b + j];
+            for (int v = 16 * j; v < 16 * j + 16; ++v) I += q6_code(blk, c, v) * xb[v];
+            S += (int32_t)(int8_t)blk[KQ6_SC + 16 * j + c] * I;
+          }
+          acc = std::fma((float)S, h2f(blk + KQ6_D + 2 * c) * dx, acc);
+        }
+      }
+      a.out[m * a.N + n] = acc;
+    }
+  }
+}
+
+void kq_pack_rows(int fmt, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int64_t n0, int64_t n1) {
+  const int64_t nb = K / QK, tile = kq_tile_bytes(fmt), gbytes = fmt == kKq4 ? 144 : 210;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int c = (int)(n % KQ_COLS);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* g = src + (n * nb + b) * gbytes;
+      uint8_t* blk = dst + ((n / KQ_COLS) * nb + b) * tile;
+      if (fmt == kKq4) {
+        // GGUF block_q4_K: d, dmin (fp16), scales[12] (6-bit sc / m packed), qs[128]
+        std::memcpy(blk + KQ4_D + 2 * c, g, 2);
+        std::memcpy(blk + KQ4_DMIN + 2 * c, g + 2, 2);
+        const uint8_t* s = g + 4;
+        for (int j = 0; j < 8; ++j) {
+          uint8_t sc, mn;
+          if (j < 4) {
+            sc = s[j] & 63, mn = s[j + 4] & 63;
+          } else {
+            sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+            mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+          }
+          blk[KQ4_SC + 16 * j + c] = sc;
+          blk[KQ4_M + 16 * j + c] = mn;
+        }
+        for (int gi = 0; gi < 32; ++gi) std::memcpy(blk + KQ4_QS + (gi * 16 + c) * 4, g + 16 + 4 * gi, 4);
+      } else {
+        // GGUF block_q6_K: ql[128], qh[64], scales[16] (int8), d (fp16)
+        for (int gi = 0; gi < 32; ++gi) std::memcpy(blk + KQ6_QL + (gi * 16 + c) * 4, g + 4 * gi, 4);
+        for (int gi = 0; gi < 16; ++gi) std::memcpy(blk + KQ6_QH + (gi * 16 + c) * 4, g + 128 + 4 * gi, 4);
+        for (int j = 0; j < 16; ++j) blk[KQ6_SC + 16 * j + c] = g[192 + j];
+        std::memcpy(blk + KQ6_D + 2 * c, g + 208, 2);
+      }
+    }
+    // the tile holding the last column zeroes its padding columns (and Q6_K's pad bytes)
+    if (n == N - 1 || (fmt == kKq6 && c == KQ_COLS - 1)) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* blk = dst + ((n / KQ_COLS) * nb + b) * tile;
+        if (fmt == kKq6) std::memset(blk + KQ6_D + 32, 0, tile - KQ6_D - 32);
+        for (int pc = c + 1; pc < KQ_COLS && n == N - 1; ++pc) {
+          if (fmt == kKq4) {
+            for (int gi = 0; gi < 32; ++gi) std::memset(blk + KQ4_QS + (gi * 16 + pc) * 4, 0, 4);
+            for (int j = 0; j < 8; ++j) blk[KQ4_SC + 16 * j + pc] = blk[KQ4_M + 16 * j + pc] = 0;
+            std::memset(blk + KQ4_D + 2 * pc, 0, 2);
+            std::memset(blk + KQ4_DMIN + 2 * pc, 0, 2);
+          } else {
+            for (int gi = 0; gi < 32; ++gi) std::memset(blk + KQ6_QL + (gi * 16 + pc) * 4, 0, 4);
+            for (int gi = 0; gi < 16; ++gi) std::memset(blk + KQ6_QH + (gi * 16 + pc) * 4, 0, 4);
+            for (int j = 0; j < 16; ++j) blk[KQ6_SC + 16 * j + pc] = 0;
+            std::memset(blk + KQ6_D + 2 * pc, 0, 2);
+          }
+        }
+      }
+    }
+  }
+}
+
+void kq_dequant_rows(int fmt, const uint8_t* w, int64_t N, int64_t K, float* out, int64_t n0, int64_t n1) {
+  (void)N;
+  const int64_t nb = K / QK;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* o = out + (n - n0) * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      int c;
+      const uint8_t* blk = block_of(w, fmt, K, n, b, &c);
+      if (fmt == kKq4) {
+        const float d = h2f(blk + KQ4_D + 2 * c), dmin = h2f(blk + KQ4_DMIN + 2 * c);
+        for (int v = 0; v < 256; ++v) {
+          const int j = v / 32;
+          const float s = d * (float)blk[KQ4_SC + 16 * j + c], mn = dmin * (float)blk[KQ4_M + 16 * j + c];
+          o[b * QK + v] = s * (float)q4_code(blk, c, v) - mn;
+        }
+      } else {
+        const float d = h2f(blk + KQ6_D + 2 * c);
+        for (int v = 0; v < 256; ++v) {
+          const float s = d * (float)(int8_t)blk[KQ6_SC + 16 * (v / 16) + c];
+          o[b * QK + v] = s * (float)(q6_code(blk, c, v) - 32);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace dw

@@ -1,0 +1,261 @@
+"""The K-quant rule (csrc/kquant.h): Q4_K / Q6_K weights computed from the GGUF's own integers, 16 columns
+interleaved per tile. The layout de-quantizes to exactly the numpy reference's weights (kernels/gguf_quant
+.parse); the product matches a float64 reference of the same rounding; every path and every row count
+computes the same bits; models made of such matrices load in place, fused, and decode batch-invariantly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from draftwise.kernels import KQ_BITS, QLinear, available_isas, dequantize, extension, using_isa
+from draftwise.kernels.gguf_quant import kq_format, parse, repack
+from tests.conftest import TINY, TINY_QWEN
+
+pytestmark = pytest.mark.skipif(extension() is None, reason="the kernel is not built here")
+
+BLOCK = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}  # bytes per block, offsets of its fp16 scales
+TID = {"Q4_K": 12, "Q6_K": 14}
+
+
+def random_blocks(qtype: str, N: int, K: int, seed: int) -> np.ndarray:
+    """(N, K / 256 * block bytes) random GGUF blocks with finite fp16 scales (incl. subnormal, negative)."""
+    bs, halves = BLOCK[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(N * (K // 256), bs), dtype=np.uint8)
+    for off in halves:
+        h = (rng.standard_normal(raw.shape[0]) * 0.01).astype(np.float16)
+        h[::7] = np.float16(3e-6)
+        raw[:, off:off + 2] = h.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(N, -1)
+
+
+def quantize_k(w: np.ndarray, qtype: str) -> np.ndarray:
+    """Round-to-nearest Q4_K / Q6_K blocks of (N, K) float weights, in GGUF's byte layout (the gguf package
+    quantizes neither): enough to write test models that llama.cpp would read."""
+    N, K = w.shape
+    sb = w.astype(np.float32).reshape(-1, 256)  # (n, 256) super-blocks
+    n = sb.shape[0]
+    if qtype == "Q4_K":
+        sub = sb.reshape(n, 8, 32)
+        lo, hi = np.minimum(sub.min(-1), 0), np.maximum(sub.max(-1), 0)
+        scale, mins = (hi - lo) / 15, -lo  # (n, 8)
+        d = np.maximum(scale.max(-1), 1e-8) / 63
+        dmin = np.maximum(mins.max(-1), 1e-8) / 63
+        d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+        sc = np.clip(np.round(scale / d16.astype(np.float32)[:, None]), 1, 63).astype(np.uint8)
+        mq = np.clip(np.round(mins / dmin16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+        eff_s = d16.astype(np.float32)[:, None] * sc
+        eff_m = dmin16.astype(np.float32)[:, None] * mq
+        q = np.clip(np.round((sub + eff_m[..., None]) / eff_s[..., None]), 0, 15).astype(np.uint8)  # (n, 8, 32)
+        s = np.zeros((n, 12), np.uint8)
+        s[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+        s[:, 4:8] = (mq[:, 0:4] & 63) | ((mq[:, 4:8] >> 4) << 6)
+        s[:, 8:12] = (sc[:, 4:8] & 15) | ((mq[:, 4:8] & 15) << 4)
+        qs = q.reshape(n, 4, 2, 32)
+        qs = (qs[:, :, 0] | (qs[:, :, 1] << 4)).reshape(n, 128)
+        out = np.concatenate([d16.view(np.uint8).reshape(n, 2), dmin16.view(np.uint8).reshape(n, 2), s, qs], 1)
+    else:
+        sub = sb.reshape(n, 16, 16)
+        amax = np.abs(sub).max(-1)  # (n, 16)
+        s = amax / 31
+        d = np.maximum(s.max(-1), 1e-8) / 127
+        d16 = d.astype(np.float16)
+        sc = np.clip(np.round(s / d16.astype(np.float32)[:, None]), 1, 127).astype(np.int8)
+        eff = d16.astype(np.float32)[:, None] * sc
+        u = (np.clip(np.round(sub / eff[..., None]), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)
+        ql = np.concatenate([(u[:, :, 0] & 15) | ((u[:, :, 2] & 15) << 4), (u[:, :, 1] & 15) | ((u[:, :, 3] & 15) << 4)],
+                            axis=2).reshape(n, 128)
+        qh = ((u[:, :, 0] >> 4) | ((u[:, :, 1] >> 4) << 2) | ((u[:, :, 2] >> 4) << 4) | ((u[:, :, 3] >> 4) << 6)).reshape(n, 64)
+        out = np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8).reshape(n, 2)], 1)
+    return np.ascontiguousarray(out).reshape(N, -1)
+
+
+def reference_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T in float64 with x rounded exactly as the rule rounds it (int8 per row and block of 256, the
+    codes computed in float32: round_even(x * float32(127 / amax)), the scale float32(amax / 127))."""
+    M, K = x.shape
+    b = x.float().view(M, K // 256, 256)
+    amax = b.abs().amax(-1, keepdim=True)  # (M, K/256, 1) float32
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # float32, as the kernel
+    xq = torch.round(b * inv).double() * (amax / 127.0).double()
+    return xq.view(M, K) @ w.double().t()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("N", [32, 48])
+def test_layout_dequantizes_to_the_reference_weights(qtype, N):
+    K = 512
+    raw = random_blocks(qtype, N, K, seed=N + len(qtype))
+    code = repack(raw, qtype, (N, K))
+    assert code.bits == TID[qtype] and code.q.shape == (N // 16, K // 256 * KQ_BITS[code.bits])
+    ref = parse(raw, qtype, (N, K))
+    want = dequantize(ref.q, ref.scale, ref.minv, ref.group, ref.bits)
+    got = dequantize(code.q, code.scale, None, code.group, code.bits)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    idx = torch.tensor([N - 1, 0, 5, 5])
+    rows = extension().kq_rows(code.q.view(-1), code.bits, N, K, idx)
+    assert torch.equal(rows, want[idx])
+    with pytest.raises(RuntimeError, match="out of range"):
+        extension().kq_rows(code.q.view(-1), code.bits, N, K, torch.tensor([N]))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_product_matches_float64_and_every_path_and_row_count_gives_the_same_bits(qtype):
+    N, K = 80, 768
+    raw = random_blocks(qtype, N, K, seed=3)
+    code = repack(raw, qtype, (N, K))
+    w = code.q.view(-1)
+    W = dequantize(code.q, code.scale, None, code.group, code.bits)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, K, generator=g) * 2
+    x[0, :256] = 0  # an all-zero activation block
+    x[1, 300] = 1e4  # a block with one huge value
+    ext = extension()
+    with using_isa("scalar"):
+        ref = ext.qmm_kq(x, w, code.bits, N)
+    y = reference_product(x, W)
+    assert ((ref.double() - y).abs().max() / y.abs().max()).item() < 1e-5
+    for isa in available_isas():
+        with using_isa(isa):
+            for M in (1, 2, 3, 5, 8, 13, 33):
+                assert torch.equal(ext.qmm_kq(x[:M].contiguous(), w, code.bits, N), ref[:M]), (isa, M)
+            assert torch.equal(ext.qmm_kq(x[7:8].contiguous(), w, code.bits, N), ref[7:8]), isa  # a row alone
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_a_partial_last_tile(qtype):
+    """N not a multiple of 16: the kernel pads the last tile with zero columns and writes only real ones."""
+    N, K = 37, 256
+    raw = torch.from_numpy(random_blocks(qtype, N, K, seed=11).reshape(-1).copy())
+    ext = extension()
+    w = ext.kq_pack(raw, TID[qtype], N, K, torch.empty(0, dtype=torch.uint8))
+    assert w.numel() == 3 * KQ_BITS[TID[qtype]]
+    ref = parse(raw.numpy().reshape(N, -1), qtype, (N, K))
+    W = dequantize(ref.q, ref.scale, ref.minv, ref.group, ref.bits)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for isa in available_isas():
+        with using_isa(isa):
+            outs.append(ext.qmm_kq(x, w, TID[qtype], N))
+    assert all(torch.equal(o, outs[0]) for o in outs) and outs[0].shape == (5, N)
+    y = reference_product(x, W)
+    assert ((outs[0].double() - y).abs().max() / y.abs().max()).item() < 1e-5
+
+
+def test_bad_calls_are_refused():
+    ext = extension()
+    w = torch.zeros(KQ_BITS[12], dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        ext.qmm_kq(torch.zeros(1, 128), w, 12, 16)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        ext.qmm_kq(torch.zeros(1, 256), w, 12, 32)
+    with pytest.raises(RuntimeError, match="format"):
+        ext.qmm_kq(torch.zeros(1, 256), w, 13, 16)
+
+
+def test_which_tensors_take_the_rule(monkeypatch):
+    assert kq_format("Q4_K", (32, 512)) == (12, 256, 12, False)
+    assert kq_format("Q6_K", (48, 256)) == (14, 256, 14, False)
+    assert kq_format("Q4_K", (37, 512)) is None  # rows not whole tiles: the groups-of-32 code
+    assert kq_format("Q5_K", (32, 512)) is None and kq_format("Q8_0", (32, 512)) is None
+    monkeypatch.setenv("DRAFTWISE_EXACT_ACTIVATIONS", "1")  # fp32 activations: the groups-of-32 code
+    assert kq_format("Q4_K", (32, 512)) is None
+    assert repack(random_blocks("Q4_K", 32, 256, 1), "Q4_K", (32, 256)).bits == 4
+
+
+def test_qlinear_with_bias_on_every_kind_of_call():
+    from draftwise.kernels import bulk, fp32_gemm
+    from draftwise.kernels.gguf_quant import QCode
+
+    N, K = 48, 512
+    code = repack(random_blocks("Q4_K", N, K, 5), "Q4_K", (N, K))
+    assert isinstance(code, QCode)
+    g = torch.Generator().manual_seed(1)
+    b = torch.randn(N, generator=g)
+    lin = QLinear(code.q, code.scale, None, code.group, code.bits, b)
+    assert (lin.in_features, lin.out_features) == (K, N) and "Q4_K" in repr(lin)
+    x = torch.randn(70, K, generator=g)  # more rows than BULK_MIN_ROWS
+    y = lin(x)
+    W = dequantize(code.q, code.scale, None, code.group, code.bits)
+    ref = (reference_product(x, W) + b.double())
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    with fp32_gemm(), bulk():  # prompts and feature generation run on the rule too (no de-quantized GEMM)
+        assert torch.equal(lin(x), y)
+
+
+def _kq_gguf(tmp_path, monkeypatch, arch: str):
+    """A tiny model whose matrices are Q4_K and Q6_K (hidden 256: whole super-blocks), read in place."""
+    import gguf.quants
+
+    from tests.test_models import _copy_tokenizer, _write_gguf
+    from draftwise.models import loading
+    from draftwise.models.transformer import random_model
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
+    base = TINY_QWEN if arch == "qwen2" else TINY
+    cfg = base.__class__(**{**base.to_dict(), "hidden_size": 256, "head_dim": 64, "intermediate_size": 512})
+    m = random_model(cfg, seed=4)
+    real = gguf.quants.quantize
+
+    def quantize(arr, qt):
+        name = gguf.GGMLQuantizationType(qt).name
+        return quantize_k(arr, name) if name in BLOCK else real(arr, qt)
+
+    monkeypatch.setattr(gguf.quants, "quantize", quantize)
+    path = tmp_path / "kq.gguf"
+    # per tensor in order: embedding, output norm (F32), output, then per layer q, k, v, o, gate, up, down
+    _write_gguf(path, m, arch, ("Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K"))
+    monkeypatch.setattr(gguf.quants, "quantize", real)
+    monkeypatch.setattr(loading, "_save_gguf_tokenizer", lambda p, dest: _copy_tokenizer(dest, cfg.vocab_size))
+    return cfg, path
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_k_quant_model_loads_in_place_and_decodes_batch_invariantly(tmp_path, monkeypatch, arch):
+    from gguf import GGUFReader
+
+    from draftwise.models import load_model
+    from draftwise.models.loading import gguf_config
+    from draftwise.models.transformer import from_state_dict
+    from tests.conftest import reference_state_dict
+
+    cfg, path = _kq_gguf(tmp_path, monkeypatch, arch)
+    lm = load_model(str(path), "gguf", progress=False)
+    model = lm.model
+    kinds = {m.bits for m in model.modules() if isinstance(m, QLinear)}
+    assert kinds <= set(KQ_BITS) and kinds, kinds  # every matrix on the K-quant rule
+    # against the model built from the unfused tensors by the numpy reference (groups of 32, other rounding)
+    ref = from_state_dict(gguf_config(GGUFReader(str(path))), reference_state_dict(GGUFReader(str(path))),
+                          torch.float32)
+    ids = torch.tensor([[3, 17, 42, 8, 91, 5, 60, 33]])
+    c1, c2 = model.new_cache(1, 64), ref.new_cache(1, 64)
+    got, want = model.forward(ids, c1).logits, ref.forward(ids, c2).logits
+    assert ((got - want).abs().max() / want.abs().max()).item() < 5e-2  # int8 activations per 256 vs per 32
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
+    # a chunk of 8 new tokens gives the same bits as 8 one-token forwards, on every path
+    for isa in available_isas():
+        with using_isa(isa):
+            cache = model.new_cache(1, 64)
+            chunk = model.forward(ids, cache).logits
+            cache.set_lengths(0)
+            steps = torch.cat([model.forward(ids[:, t:t + 1], cache).logits for t in range(ids.shape[1])], 1)
+            assert torch.equal(chunk, steps), isa
+            assert torch.equal(chunk, got), isa
+
+
+def test_a_kept_converted_copy_holds_the_k_quant_code(tmp_path, monkeypatch):
+    """keep_converted: the x16 code is saved once (safetensors, fused) and memory-mapped by later loads."""
+    from draftwise.models import load_model
+    from draftwise.models.loading import converted_dir
+
+    cfg, path = _kq_gguf(tmp_path, monkeypatch, "qwen2")
+    fresh = load_model(str(path), "gguf", progress=False)
+    kept = load_model(str(path), "gguf", progress=False, keep_converted=True)
+    assert list(converted_dir(path).glob("model-gguf.safetensors"))
+    again = load_model(str(path), "gguf", progress=False, keep_converted=True)  # mapped
+    ids = torch.tensor([[5, 9, 77, 3]])
+    logits = [m.model.forward(ids, m.model.new_cache(1, 16)).logits for m in (fresh, kept, again)]
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    assert {m.bits for m in again.model.modules() if isinstance(m, QLinear)} <= set(KQ_BITS)
