@@ -207,8 +207,8 @@ def test_context_and_errors(fake_llama, gguf, hf_folder):
 
 def test_parse_methods_with_llama():
     assert parse_methods("llama-pld") == ["ar", "llama-pld"]
-    assert parse_methods("all") == parse_methods("ar,draft,pld,nasd,draft-tree,pld-tree,nasd-tree,suffix,auto,layerskip,lookahead,hf-ar,"
-                                                 "hf-assisted,hf-pld")  # no llama
+    assert parse_methods("all") == parse_methods("ar,draft,draft-tree,pld,pld-tree,nasd,nasd-tree,suffix,auto,layerskip,lookahead,"
+                                                 "hf-ar,hf-assisted,hf-pld")  # no llama; tree variants after their base
     assert parse_methods("all,llama-ar")[-1] == "llama-ar"
     with pytest.raises(InvalidParameterError, match="llama-draft"):
         parse_methods("llama-draft")  # llama-cpp-python has no separate-draft-model mode

@@ -1,10 +1,11 @@
-"""Weight-only quantized linear layers for CPU decoding (int8 / int4 groupwise, or dense bf16 / fp32;
-batch-invariant). Quantized weights multiply int8 activations (per-row blocks of 32, as llama.cpp does);
-``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps fp32 activations instead (slower, for measuring what the
-activation rounding costs). Dense weights always take fp32 activations.
+"""Weight-only quantized linear layers for CPU decoding (Q4_K / Q6_K in the GGUF's own blocks, int8 / int4
+groupwise, or dense bf16 / fp32; batch-invariant). Quantized weights multiply int8 activations (per-row
+blocks of 256 for Q4_K / Q6_K, of 32 for the groupwise code, as llama.cpp does);
+``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps fp32 activations instead (Q4_K / Q6_K then load in the groupwise
+code; slower, for measuring what the activation rounding costs). Dense weights always take fp32 activations.
 
 The C++ kernel (``csrc/``: one file per instruction set, the scalar reference beside them, see
-``csrc/qmm.h`` for the numeric rule they share) is compiled on first use with torch's extension
+``csrc/qmm.h`` and ``csrc/kquant.h`` for the numeric rules they share) is compiled on first use with torch's extension
 builder, without ``-march=native``: each instruction-set file carries its own target, and the path is
 chosen at run time from what the CPU reports (``isa()``; ``DRAFTWISE_ISA`` forces a lower one). Every
 path computes the same bits, so the same GGUF gives the same tokens on every CPU. Where the kernel
@@ -198,11 +199,11 @@ MULTI_MARGIN = 0.05  # another path takes the calls of 3+ rows only when it is t
 def _tune_multi(ext) -> None:
     """Calls of ``kMultiRows`` (3) rows or more — verifying drafts, short prefills — are compute-bound, and
     the groups-of-32 code's default path is not always the fastest there (AMD Zen 5: at 8 rows
-    ``avx512vnni`` is ~13 % slower than ``avx512`` on int4, ~1.8x on int8; at one row every path waits on
-    memory alike). So each path the CPU has is timed once on an 8-row int4 and int8 matmul, and a path more
-    than ``MULTI_MARGIN`` faster than the default takes those calls. (The K-quant rule, Q4_K / Q6_K, always
-    runs on the default path: AVX512-VNNI is 1.3-1.6x AVX-512 there at 4-16 rows.) Every path computes the same bits: this choice moves speed, never a token. The
-    result is cached per kernel build, CPU and thread count in ``$DRAFTWISE_HOME/kernels``;
+    ``avx512vnni`` is slower than ``avx512``; at one row every path waits on memory alike). So each path
+    the CPU has is timed once on an 8-row int4 and int8 matmul, and a path more than ``MULTI_MARGIN``
+    faster than the default takes those calls. (The K-quant rule, Q4_K / Q6_K, always runs on the default
+    path: AVX512-VNNI is 1.3-1.6x AVX-512 there at 4-16 rows.) Every path computes the same bits: this
+    choice moves speed, never a token. The result is cached per kernel build, CPU and thread count in ``$DRAFTWISE_HOME/kernels``;
     ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``) skips it."""
     import json
 
