@@ -224,7 +224,7 @@ def markdown(results: dict) -> str:
              f"{cfg['versions']['transformers']}" + (f", llama-cpp-python {llama_v}" if llama_v else "")
              + ". Warm-up excluded; methods interleaved per prompt."
              + (f"\n\nCPU: {cfg['cpu']} (kernel path `{cfg.get('isa')}`"
-                + (f", `{cfg['isa_multi_row']}` for 3+ rows" if cfg.get("isa_multi_row") not in (None, cfg.get("isa"))
+                + (f", `{cfg['isa_multi_row']}` for 3+-row calls of the groups-of-32 code" if cfg.get("isa_multi_row") not in (None, cfg.get("isa"))
                    else "") + f"); {str(cfg.get('started', ''))[:10]}"
                 + (f"; commit `{cfg['commit']}`" if cfg.get("commit") else "") + "." if cfg.get("cpu") else "")
              + f"\n\n```bash\n{bench_command(cfg)}\n```"
