@@ -5,7 +5,7 @@
 // float steps are the rule's scalar chains, one lane per column: the same bits as kq_ref on any path.
 // No std:: templates here (see x86_256.h).
 
-// One vector of W columns: tile t's columns s*W .. s*W+W-1 (s = 0 on 512-bit paths, 0 / 1 on 256-bit ones)
+// One vector of W columns: tile t's columns s*W .. s*W+W-1 (s < 16 / W: 0 on 512-bit paths, 0-1 on 256-bit, 0-3 on NEON)
 struct Slot {
   const uint8_t* base;  // the tile's first super-block
   int64_t cb;           // byte offset of the slot in each 64-byte group
