@@ -108,17 +108,10 @@ def _provenance() -> dict:
     git commit of the checkout draftwise runs from (None for an installed wheel; "+dirty" with local edits)."""
     import subprocess
 
-    from ..kernels import kernel_info
+    from ..kernels import cpu_fields, cpu_name, kernel_info
 
-    cpu: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "cpu family", "model", "CPU implementer", "CPU part"):
-                cpu[key.strip()] = value.strip()
-    except OSError:
-        pass
-    name = cpu.pop("model name", None) or platform.processor() or platform.machine()
+    cpu = {k: v for k, v in cpu_fields().items() if k in ("cpu family", "model", "CPU implementer", "CPU part")}
+    name = cpu_name()
     info = kernel_info()
     repo = Path(__file__).resolve().parents[2]
     commit = None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -29,35 +28,44 @@ def _ids(n: int, vocab: int) -> list[int]:
     return [(i * 7919 + 13) % vocab for i in range(n)]
 
 
-@torch.inference_mode()
-def draftwise_costs(model, sizes=SIZES, context: int = 64, repeats: int = 5, prefill=PREFILL) -> dict:
-    """Seconds per forward over T new tokens (median of ``repeats`` bests of two) and prefill tok/s."""
-    vocab = model.config.vocab_size
-    ids = torch.tensor([_ids(context + max(sizes) + max(prefill or [1]), vocab)])  # (1, n)
-    cache = model.new_cache(1, ids.shape[1] + 1)
-    model.forward(ids[:, :context], cache, logits_for="last")
+def _timed(run, rewind, context: int, sizes, repeats: int, prefill) -> dict:
+    """The table for one engine. ``run(a, b, last)`` feeds prompt tokens a..b-1 after what is cached (logits
+    for the last position only, or for all); ``rewind(n)`` keeps the first n cached tokens."""
+    rewind(0)
+    run(0, context, True)
     rounds: dict[int, list[float]] = {T: [] for T in sizes}
     for _ in range(repeats):
         for T in sizes:
             best = float("inf")
             for _ in range(2):
-                cache.set_lengths(context)
+                rewind(context)
                 t0 = time.perf_counter()
-                model.forward(ids[:, context:context + T], cache, logits_for="all")
+                run(context, context + T, False)
                 best = min(best, time.perf_counter() - t0)
             rounds[T].append(best)
-    forward = {T: statistics.median(v) for T, v in rounds.items()}
     pre = {}
     for P in prefill or ():
         times = []
         for _ in range(max(1, repeats // 2)):
-            cache.set_lengths(0)
+            rewind(0)
             t0 = time.perf_counter()
-            model.forward(ids[:, :P], cache, logits_for="last")
+            run(0, P, True)
             times.append(time.perf_counter() - t0)
         pre[P] = P / statistics.median(times)
-    cache.set_lengths(0)
-    return {"forward_s": forward, "prefill_tok_s": pre}
+    rewind(0)
+    return {"forward_s": {T: statistics.median(v) for T, v in rounds.items()}, "prefill_tok_s": pre}
+
+
+@torch.inference_mode()
+def draftwise_costs(model, sizes=SIZES, context: int = 64, repeats: int = 5, prefill=PREFILL) -> dict:
+    """Seconds per forward over T new tokens (median of ``repeats`` bests of two) and prefill tok/s."""
+    ids = torch.tensor([_ids(context + max(sizes) + max(prefill or [1]), model.config.vocab_size)])  # (1, n)
+    cache = model.new_cache(1, ids.shape[1] + 1)
+
+    def run(a: int, b: int, last: bool) -> None:
+        model.forward(ids[:, a:b], cache, logits_for="last" if last else "all")
+
+    return _timed(run, cache.set_lengths, context, sizes, repeats, prefill)
 
 
 def llama_costs(gguf: str, sizes=SIZES, context: int = 64, repeats: int = 5, prefill=PREFILL,
@@ -71,36 +79,13 @@ def llama_costs(gguf: str, sizes=SIZES, context: int = 64, repeats: int = 5, pre
     n_ctx = context + max(sizes) + max(prefill or [1]) + 8
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=max(512, max(prefill or [1])), n_threads=threads,
                           n_threads_batch=threads, logits_all=True, verbose=False)
-    vocab = llm.n_vocab()
-    ids = _ids(context + max(sizes) + max(prefill or [1]), vocab)
+    ids = _ids(context + max(sizes) + max(prefill or [1]), llm.n_vocab())
 
     def rewind(n: int) -> None:
         llm._ctx.kv_cache_seq_rm(-1, n, -1)
         llm.n_tokens = n
 
-    rewind(0)
-    llm.eval(ids[:context])
-    rounds: dict[int, list[float]] = {T: [] for T in sizes}
-    for _ in range(repeats):
-        for T in sizes:
-            best = float("inf")
-            for _ in range(2):
-                rewind(context)
-                t0 = time.perf_counter()
-                llm.eval(ids[context:context + T])
-                best = min(best, time.perf_counter() - t0)
-            rounds[T].append(best)
-    forward = {T: statistics.median(v) for T, v in rounds.items()}
-    pre = {}
-    for P in prefill or ():
-        times = []
-        for _ in range(max(1, repeats // 2)):
-            rewind(0)
-            t0 = time.perf_counter()
-            llm.eval(ids[:P])
-            times.append(time.perf_counter() - t0)
-        pre[P] = P / statistics.median(times)
-    return {"forward_s": forward, "prefill_tok_s": pre}
+    return _timed(lambda a, b, last: llm.eval(ids[a:b]), rewind, context, sizes, repeats, prefill)
 
 
 def markdown(res: dict) -> str:
@@ -122,18 +107,8 @@ def markdown(res: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def run(target: str, sizes=SIZES, context: int = 64, repeats: int = 5, prefill=PREFILL, llama: bool = False) -> dict:
-    from ..kernels import isa, kernel_info
+    from ..kernels import cpu_name, isa, kernel_info
     from ..models import load_model
     from ..models.registry import resolve
 

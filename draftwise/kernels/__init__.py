@@ -259,15 +259,27 @@ def _time_paths(ext, paths: list[str], rows: int = 8) -> dict[str, float]:
     return out
 
 
-def _cpu_model() -> str:
-    """Vendor, family, model and name of the first CPU (the tuning cache's key; another CPU re-tunes)."""
+def cpu_fields() -> dict[str, str]:
+    """The first CPU's entries of /proc/cpuinfo ({} where there is none)."""
     try:
         block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
     except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines()) if _}
+
+
+def cpu_name() -> str:
+    """The CPU's name as Linux reports it (else what ``platform`` knows)."""
+    return cpu_fields().get("model name") or platform.processor() or platform.machine()
+
+
+def _cpu_model() -> str:
+    """Vendor, family, model and name of the first CPU (the tuning cache's key; another CPU re-tunes)."""
+    fields = cpu_fields()
+    if not fields:
         return platform.processor()
     keep = ("vendor_id", "cpu family", "model", "model name", "CPU implementer", "CPU part")
-    return "; ".join(line.split(":", 1)[1].strip() for line in block.splitlines()
-                     if ":" in line and line.split(":", 1)[0].strip() in keep)
+    return "; ".join(v for k, v in fields.items() if k in keep)
 
 
 def isa() -> str:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..kernels import cpu_name
 from .bench import PROMPTS
 
 FLAT_MB = 50.0  # MiB: RSS may move this much under steady load, after warm-up
@@ -318,7 +319,7 @@ def write_report(result: SoakResult, out: Path, title: str) -> list[Path]:
 def markdown(r: SoakResult, title: str, plotted: bool) -> str:
     n = r.numbers
     server = (f"Server: {r.server.get('url')} (model `{r.server.get('model')}`, methods "
-              f"{', '.join(r.server.get('methods', []))}); {platform.machine()}, {_cpu_name()}.")
+              f"{', '.join(r.server.get('methods', []))}); {platform.machine()}, {cpu_name()}.")
     lines = [f"# {title}", "", server, "", f"Config: {json.dumps(r.config)}", "", "## Verdicts", ""]
     lines += [f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in r.verdicts.items()]
     counts = (f"- requests: {n['requests']:.0f}; checked against alone-runs: {n['checked']:.0f}; mismatches: "
@@ -367,16 +368,6 @@ def plot(r: SoakResult, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def run_soak(url: str, model: str, cfg: SoakConfig, out: Path, title: str, headers: dict | None = None,
