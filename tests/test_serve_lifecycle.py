@@ -97,6 +97,31 @@ def test_engine_gives_freed_rows_back_and_exports_its_bounded_structures(tiny_dw
         assert name in metrics, name
 
 
+@linux_only
+def test_engine_keeps_freed_rows_while_busy_and_gives_them_back_when_idle(tiny_dw):
+    # under steady load a freed row keeps its pages for the next sequence (RSS flat, no re-faulting);
+    # the rows go back to the OS once nothing is running or waiting
+    engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, max_model_len=256, max_batch=2, max_queue=4))
+    released = lambda: engine.metrics.kv_released._value.get()  # noqa: E731
+    with BackgroundServer(engine, MODEL) as srv:
+        async def long_and_short():
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as c:
+                body = {"model": MODEL, "prompt": "hello world", "temperature": 0, "ignore_eos": True}
+                long = asyncio.ensure_future(c.post("/v1/completions", json={**body, "max_tokens": 240}))
+                short = await c.post("/v1/completions", json={**body, "max_tokens": 4})
+                busy = engine.batch_size  # the long request still running
+                released_while_busy = released()
+                long = await long
+                assert long.status_code == 200, long.text
+                return short, busy, released_while_busy, long
+        short, busy, released_while_busy, long = asyncio.run(long_and_short())
+        assert short.status_code == 200 and long.status_code == 200
+        assert busy == 1, "the long request finished before the short one: the test needs a longer one"
+        assert released_while_busy == 0
+        wait_for(lambda: engine.snapshot()["requests"] == 0 and engine._used_rows == 0)
+    assert released() > 0
+
+
 def test_suffix_store_is_bounded_and_exported(tiny_dw):
     tiny_dw.suffix_cache.clear()
     old = tiny_dw.suffix_cache.max_tokens

@@ -17,10 +17,12 @@ hand each sequence's new text to its sink. Requests join and leave the batch bet
 Memory: the KV caches of target and draft model are reserved once at start, ``rows`` rows of
 ``max_model_len`` (+ draft headroom) tokens each, ``rows`` chosen to fit ``kv_cache_mb``; the OS commits
 their pages as positions are first written (``KVCache`` uses ``torch.empty``), so a short answer costs
-what it uses, and ``kv_cache_mb`` stays the upper bound. When a sequence leaves, the rows no longer in
-use give their pages back to the OS (``KVCache.release_rows``), so the resident set follows the tokens
-held, not the longest answers seen; when the engine goes idle (and every ``TRIM_EVERY_S`` under unbroken
-load) it also trims malloc's free lists (``memory.trim_heap``). When every row is busy requests wait;
+what it uses, and ``kv_cache_mb`` stays the upper bound. While requests keep coming, a row a sequence
+left keeps its pages for the next one (the reserved rows are the bound: the resident set stays flat
+under steady load instead of giving pages back and faulting them in again every few steps); when the
+engine goes idle every row written since is given back to the OS (``KVCache.release_rows``), so an idle
+server returns to its warm footprint, not the longest answers seen. Going idle (and every
+``TRIM_EVERY_S`` under unbroken load) also trims malloc's free lists (``memory.trim_heap``). When every row is busy requests wait;
 when ``max_queue`` are waiting ``submit`` refuses (``EngineFullError``, HTTP 503). Every structure that
 outlives a request is bounded: the waiting queue (``max_queue``), the request table (rows + queue), the
 suffix drafter's store (``SuffixCache.max_tokens``), the metrics window (10 s); /metrics exports their
@@ -418,7 +420,8 @@ class Engine:
         with torch.inference_mode():
             while True:
                 if not self._trimmed and not self.decoder.running and not self._waiting:
-                    self._trimmed = True  # going idle: what the requests' activations freed goes back
+                    self._trimmed = True  # going idle: the rows' pages and what activations freed go back
+                    self._release_rows()
                     self._trim()
                 elif time.monotonic() - self._trimmed_at > TRIM_EVERY_S:  # busy for long: trim between steps
                     self._trim()
@@ -434,7 +437,6 @@ class Engine:
                     self._admit()
                     self._used_rows = max(self._used_rows, len(self.decoder.running))
                     self._step()
-                    self._release_rows()
                 except Exception as e:  # a bug must not take the server down: fail what is running
                     log.error("engine step failed:\n%s", traceback.format_exc())
                     self._fail_all(f"internal error in the decode loop: {type(e).__name__}")
@@ -449,7 +451,8 @@ class Engine:
 
     def _release_rows(self) -> None:
         """Give the pages of rows that sequences have left back to the OS (every KV cache: target and
-        drafter). Rows 0..B-1 hold the running sequences (the decoder compacts), so the rest are free."""
+        drafter). Rows 0..B-1 hold the running sequences (the decoder compacts), so the rest are free.
+        Called when the engine goes idle (B = 0): under load freed rows keep their pages for reuse."""
         used = len(self.decoder.running)
         if used < self._used_rows:
             released = sum(c.release_rows(used, self._used_rows) for c in self.kv_caches)
