@@ -135,6 +135,42 @@ def test_second_load_uses_converted_cache(smollm, monkeypatch):
     assert m.config.vocab_size == smollm.config.vocab_size
 
 
+def test_int4_from_a_gguf_is_quantized_once_and_mapped(smollm, monkeypatch):
+    """--dtype int4 of a GGUF: the converted copy holds the int4 codes (quantized once, at conversion);
+    a later load maps it without re-reading the GGUF, and its weights equal quantizing the fp32 model."""
+    import gguf
+    from safetensors import safe_open
+
+    from draftwise.kernels import QLinear, dequantize, quantize_rtn
+    from draftwise.models.loading import converted_dir
+    from draftwise.models.registry import resolve
+
+    first = load_model("smollm2-135m-instruct", "int4", progress=False)
+    with safe_open(str(converted_dir(resolve("smollm2-135m-instruct", progress=False)) / "model-int4.safetensors"),
+                   "pt") as f:
+        assert any(k.endswith(".weight.q") for k in f.keys())
+
+    def boom(*a, **k):
+        raise AssertionError("GGUF re-read on second load")
+
+    monkeypatch.setattr(gguf, "GGUFReader", boom)
+    again = load_model("smollm2-135m-instruct", "int4", progress=False)
+    fp32 = load_model("smollm2-135m-instruct", "fp32", progress=False)
+    dense = dict(fp32.model.named_modules())
+    checked = 0
+    for name, mod in again.model.named_modules():
+        if isinstance(mod, QLinear) and mod.bits == 4:  # each code = round-to-nearest of the fp32 weights
+            ref = dense[name]
+            w = dequantize(ref.q, ref.scale, ref.minv, ref.group, ref.bits)  # the fp32 model's (N, K)
+            q, scale, minv = quantize_rtn(w, 4, 32)
+            assert torch.equal(mod.q, q) and torch.equal(mod.scale, scale) and torch.equal(mod.minv, minv), name
+            checked += 1
+    assert checked >= 3 * fp32.config.num_layers  # q/k/v, o, gate/up, down of every layer (+ the head)
+    ids = torch.tensor([[1, 9, 42, 7, 300]])
+    logits = [m.model(ids, m.model.new_cache(1, 16)).logits for m in (first, again)]
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_real_gguf_is_read_in_place_exactly(smollm):
     """SmolLM2's GGUF (Q4_1 + Q8_0, llama Q/K order) read in place: the converted folder holds no weights,
     and every tensor equals the numpy reference conversion (parse + prefuse) bit for bit."""

@@ -63,22 +63,6 @@ def peer_dtype(weights: str) -> torch.dtype:
     return DENSE.get(weights, torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32)
 
 
-def _quantize_linears(sd: dict[str, torch.Tensor], bits: int) -> dict[str, torch.Tensor]:
-    """Round-to-nearest groupwise quantization of every projection matrix (not embeddings, not norms)."""
-    from ..kernels import quantize_rtn
-
-    out = {}
-    for k, v in sd.items():
-        if v.dim() == 2 and k != "model.embed_tokens.weight" and v.shape[1] % 32 == 0:
-            q, scale, minv = quantize_rtn(v.float(), bits, 32)
-            out.update({k + ".q": q, k + ".scale": scale, k + ".qmeta": torch.tensor([32, bits])})
-            if minv is not None:
-                out[k + ".minv"] = minv
-        else:
-            out[k] = v
-    return out
-
-
 def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: str = "native",
                progress: bool = True, keep_converted: bool | None = None) -> LoadedModel:
     """Load a model by name (see ``MODELS``), GGUF path, HF folder or HF hub id.
@@ -108,18 +92,18 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: st
 
         model, tok = load_hf(src, compute)
         return LoadedModel(name_or_path, model, Tokenizer.from_hf(tok), time.perf_counter() - t0, weights)
-    from .loading import hf_folder_config, hf_folder_state_dict, load_gguf
+    from .loading import hf_folder_config, hf_folder_state_dict, load_gguf, quantize_linears
     from .transformer import from_state_dict
 
     if isinstance(src, str):  # hub id: download the folder (needs the hub)
         src = _snapshot(src)
-    dense = torch.float32 if weights in ("int8", "int4") else (storage or compute)
-    if src.is_file():
-        cfg, sd, tok_dir = load_gguf(src, "gguf" if weights == "gguf" else dense, progress, keep_converted)
+    if src.is_file():  # a GGUF: int8 / int4 are quantized once, at conversion, and mapped from then on
+        fmt = weights if weights in ("gguf", "int8", "int4") else storage or compute
+        cfg, sd, tok_dir = load_gguf(src, fmt, progress, keep_converted)
     else:
         cfg, sd, tok_dir = hf_folder_config(src), hf_folder_state_dict(src), src
-    if weights in ("int8", "int4"):
-        sd = _quantize_linears(sd, 8 if weights == "int8" else 4)
+        if weights in ("int8", "int4"):
+            sd = quantize_linears(sd, 8 if weights == "int8" else 4)
     model = from_state_dict(cfg, sd, compute, storage)
     return LoadedModel(name_or_path, model, Tokenizer.from_folder(tok_dir), time.perf_counter() - t0, weights)
 

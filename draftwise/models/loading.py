@@ -414,9 +414,27 @@ def _write_converted(path: Path, out: Path, sd: dict | None, weights_name: str, 
     tmp.rename(out)
 
 
+def quantize_linears(sd: dict[str, torch.Tensor], bits: int) -> dict[str, torch.Tensor]:
+    """Round-to-nearest groupwise quantization (``kernels.quantize_rtn``, groups of 32) of every projection
+    matrix (not embeddings, not norms): the ``int8`` / ``int4`` weight formats."""
+    from ..kernels import quantize_rtn
+
+    out = {}
+    for k, v in sd.items():
+        if v.dim() == 2 and k != "model.embed_tokens.weight" and v.shape[1] % 32 == 0:
+            q, scale, minv = quantize_rtn(v.float(), bits, 32)
+            out.update({k + ".q": q, k + ".scale": scale, k + ".qmeta": torch.tensor([32, bits])})
+            if minv is not None:
+                out[k + ".minv"] = minv
+        else:
+            out[k] = v
+    return out
+
+
 def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep: bool | None = None):
-    """Return (config, state_dict, tokenizer folder). ``dtype`` is a torch dtype (dense weights in it) or
-    "gguf" (keep the file's own quantization, exact). "gguf" reads the file in place: its blocks are
+    """Return (config, state_dict, tokenizer folder). ``dtype`` is a torch dtype (dense weights in it),
+    "gguf" (keep the file's own quantization, exact) or "int8" / "int4" (``quantize_linears`` of the
+    de-quantized weights, done once: the converted copy holds the codes). "gguf" reads the file in place: its blocks are
     re-packed into the kernel's code at every load (``read_in_place``), and the converted folder holds only
     the config, tokenizer and tensor table. Dense formats (and "gguf" with ``keep_converted()`` or without the
     C++ kernel) are converted once to a safetensors copy, then memory-mapped. ``keep``: whether a "gguf"
@@ -455,7 +473,9 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep:
     sd = None
     if not in_place:
         sd = gguf_state_dict(reader, cfg, progress, keep_quantized=dtype == "gguf")
-        if not isinstance(dtype, str):
+        if dtype in ("int8", "int4"):
+            sd = quantize_linears(sd, 8 if dtype == "int8" else 4)
+        elif not isinstance(dtype, str):
             sd = {k: v.to(dtype) for k, v in sd.items()}
         sd = prefuse(sd, cfg)
     del reader
