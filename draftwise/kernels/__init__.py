@@ -145,7 +145,23 @@ ISAS = ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "neon", "neondot") 
 
 
 def kernel_sources() -> list[Path]:
-    return sorted(p for p in CSRC.glob("*.cpp") if p.name != "selftest.cpp")
+    """The extension's translation units: every ``.cpp`` under ``csrc/`` except the torch-free selftest
+    (``csrc/tests/``). torch's builder names each object file after the source's base name, so two sources
+    with one name in different folders would overwrite each other's object: refused here."""
+    srcs = sorted(p for p in CSRC.rglob("*.cpp") if p.relative_to(CSRC).parts[0] != "tests")
+    names = [p.name for p in srcs]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise RuntimeError(f"kernel sources share a file name ({', '.join(dup)}): each .cpp under {CSRC} needs its own")
+    return srcs
+
+
+KERNEL_SUFFIXES = (".cpp", ".h", ".inc")  # sources, headers, textual fragments (csrc/README.md)
+
+
+def kernel_files() -> list[Path]:
+    """Every file the kernel is built from (sources, headers, fragments; the selftest too), in a fixed order."""
+    return sorted(p for p in CSRC.rglob("*") if p.suffix in KERNEL_SUFFIXES)
 
 
 def build_name() -> str:
@@ -153,8 +169,8 @@ def build_name() -> str:
     other sources, flags or another architecture (a home directory shared between machines) is never
     loaded in place of this one."""
     h = hashlib.sha256(" ".join(CFLAGS).encode())
-    for p in kernel_sources() + sorted(CSRC.glob("*.h")):
-        h.update(p.name.encode() + p.read_bytes())
+    for p in kernel_files():
+        h.update(p.relative_to(CSRC).as_posix().encode() + b"\0" + p.read_bytes())
     return f"draftwise_kernels_{platform.machine().lower()}_{h.hexdigest()[:12]}"
 
 

@@ -1,12 +1,12 @@
 // The K-quant rule (kquant.h) in plain C++: the activation quantization every path uses, the reference
 // product every SIMD path must equal bit for bit, and the GGUF -> x16 re-layout.
-#include "kquant.h"
+#include "core/kquant.h"
 
 #include <cmath>
 #include <cstring>
 
-#include "qmm.h"    // round_even
-#include "repack.h"  // half_to_float
+#include "core/qmm.h"    // round_even
+#include "gguf/repack.h"  // half_to_float
 
 namespace dw {
 

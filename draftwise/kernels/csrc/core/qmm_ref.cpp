@@ -1,8 +1,8 @@
 // The scalar reference path: the rule of qmm.h written out in plain C++, one lane at a time. Every SIMD
 // path must produce exactly these bits (tests/test_kernels.py and selftest.cpp compare them). Also the
 // activation quantization and group sums shared by all paths (plain C++, so the same on every CPU).
-#include "qmm.h"
-#include "kquant.h"
+#include "core/qmm.h"
+#include "core/kquant.h"
 
 #include <cmath>
 #include <cstring>

@@ -12,10 +12,10 @@
 #include <thread>
 #include <vector>
 
-#include "kquant.h"
-#include "pool.h"
-#include "qmm.h"
-#include "repack.h"
+#include "core/kquant.h"
+#include "core/pool.h"
+#include "core/qmm.h"
+#include "gguf/repack.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
 // GGUF blocks -> the kernel's code: see repack.h. Plain C++ (it runs once per load, bound by reading the
 // file; the compiler vectorizes the byte loops).
-#include "repack.h"
+#include "gguf/repack.h"
 
 #include <cstring>
 

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <string>
 
-#include "qmm.h"
+#include "core/qmm.h"
 
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>

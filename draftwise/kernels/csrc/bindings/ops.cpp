@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "kquant.h"
-#include "pool.h"
-#include "qmm.h"
-#include "repack.h"
+#include "core/kquant.h"
+#include "core/pool.h"
+#include "core/qmm.h"
+#include "gguf/repack.h"
 
 // The kernel's thread count: torch's (at::get_num_threads()) unless set_threads(n > 0) says otherwise —
 // the model runs short forwards with torch's own pool at one thread (kernels/__init__.py serial_torch:
