@@ -84,6 +84,7 @@ void ref_f32(const QmmArgs& a, int64_t n0, int64_t n1) {
 }  // namespace
 
 const IsaOps kScalar = {"scalar", ref_q8, ref_f32, quantize_act, silu_mul, attend_groups, kq_ref};
+const IsaOps* scalar_ops() { return &kScalar; }
 
 ActQ8Sizes act_sizes(int64_t M, int64_t K, int64_t G, int64_t bits) {
   return {M * K, M * nsteps(K, bits) * 16, M * (K / G)};
