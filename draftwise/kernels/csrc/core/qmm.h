@@ -116,6 +116,8 @@ inline float round_even(float v) {
   return (v + m) - m;
 }
 
+float half_to_float(uint16_t h);  // exact IEEE binary16 -> binary32 (subnormals, inf, nan; qmm_ref.cpp)
+
 // Sizes of the ActQ8 buffers for (M, K, G, bits)
 struct ActQ8Sizes { int64_t q, lane, gs; };
 ActQ8Sizes act_sizes(int64_t M, int64_t K, int64_t G, int64_t bits);
