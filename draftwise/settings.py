@@ -84,7 +84,7 @@ def tune_kernels() -> bool:
 def openmp_spin_default() -> None:
     """Set ``GOMP_SPINCOUNT=2000`` when unset, before torch loads GNU OpenMP (``import draftwise`` calls it).
     OpenMP's threads spin ~300k iterations (milliseconds) after each torch op, and between torch ops the
-    kernel's own threads (kernels/csrc/pool.h) run the matmuls; a spinning OpenMP thread takes a core from
+    kernel's own threads (kernels/csrc/core/pool.h) run the matmuls; a spinning OpenMP thread takes a core from
     them. A short spin: Qwen 1.5B, 60-token prompt, prefill 1.4-1.9 s -> 1.2-1.4 s (AMD Zen 3, 2 threads).
     A value the user set is kept; it has no effect once torch is imported."""
     os.environ.setdefault("GOMP_SPINCOUNT", "2000")

@@ -1,4 +1,4 @@
-"""The kernel's C++ GGUF re-packer (csrc/repack.h) against the numpy reference (kernels/gguf_quant.parse):
+"""The kernel's C++ GGUF re-packer (csrc/gguf/repack.h) against the numpy reference (kernels/gguf_quant.parse):
 the same bytes for every block format, on random blocks and row ranges split over threads."""
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The int8/int4 weight-only kernel on every instruction-set path this CPU has, and the exact GGUF block
 decoding feeding it. Paths the CPU lacks are skipped with the reason; every path must compute the same
-bits as the scalar reference (the rule in draftwise/kernels/csrc/qmm.h)."""
+bits as the scalar reference (the rule in draftwise/kernels/csrc/core/qmm.h)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -17,13 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from draftwise.kernels import (ISAS, QLinear, available_isas, dequantize, extension, isa, quantize_activations,
-                               quantize_rtn, using_isa)
+from draftwise import kernels
+from draftwise.kernels import (QLinear, arch_isas, available_isas, dequantize, extension, isa, isa_paths,
+                               quantize_activations, quantize_rtn, using_isa)
 from draftwise.kernels.gguf_quant import parse
 
 CASES = [(8, 16), (8, 32), (4, 32)]
 KERNELS = Path(__file__).resolve().parents[1] / "draftwise" / "kernels"
-# checksums printed by csrc/selftest.cpp: the scalar reference's outputs, which every path on every CPU
+# checksums printed by csrc/tests/selftest.cpp: the scalar reference's outputs, which every path on every CPU
 # and architecture must reproduce bit for bit (x86 here, AArch64 under qemu-user)
 GOLDEN = {
     "int4-g32-min-K256": "bd67b0cc55128b9f", "int4-g32-K192": "e1ea4b7203c71079",
@@ -32,8 +32,8 @@ GOLDEN = {
     "int4-g32-min-f32": "cde3aa550dfbc555", "int8-g16-f32": "853cec546635f707",
     "int8-g32-min-f32": "55c56369582ee678", "bf16-dense": "793e4fdbae01d022", "fp32-dense": "04ae06b98aa381e6",
     "layers": "485e940ff23acc4f",
-    "gguf-repack": "2d6efd8a06d30a86",  # csrc/repack.h over random blocks of every format (tested against numpy too)
-    # the K-quant rule (csrc/kquant.h): the x16 layout of random Q4_K / Q6_K blocks and the reference's outputs
+    "gguf-repack": "2d6efd8a06d30a86",  # csrc/gguf/repack.h over random blocks of every format (tested against numpy too)
+    # the K-quant rule (csrc/core/kquant.h): the x16 layout of random Q4_K / Q6_K blocks and the reference's outputs
     "kquant-q4k": "b80f1fd0d9119acb", "kquant-q6k": "f2a76e6666743f4e",
 }
 
@@ -43,7 +43,7 @@ def _path_param(name: str):
 
 
 # the paths of this architecture (the other's are checked by the qemu test below)
-_ARCH_ISAS = [n for n in ISAS if n == "scalar" or n.startswith("neon") == (platform.machine().lower() in ("aarch64", "arm64"))]
+_ARCH_ISAS = arch_isas()
 
 
 @pytest.fixture(params=[_path_param(n) for n in _ARCH_ISAS])
@@ -104,7 +104,7 @@ def _threads(n: int):
 
 
 def test_thread_count_never_changes_a_result():
-    """The kernel's pool (csrc/pool.h) hands out chunks of output columns to whichever thread is free:
+    """The kernel's pool (csrc/core/pool.h) hands out chunks of output columns to whichever thread is free:
     the result is the same bits for 1, 2, 3 and 5 threads, for matmuls over many and few columns and
     for decode attention."""
     if extension() is None:
@@ -231,9 +231,60 @@ def test_best_path_is_chosen_by_default():
     path compiled in)."""
     if os.environ.get("DRAFTWISE_ISA"):
         pytest.skip("DRAFTWISE_ISA is set for this run")
-    order = ["avx512vnni", "avx512", "avxvnni", "avx2", "neondot", "neon", "scalar"]
-    best = next(n for n in order if n in available_isas())
-    assert isa() == best
+    rank = {p.name: p.rank for p in isa_paths()}
+    assert isa() == max(available_isas(), key=rank.__getitem__)
+    assert available_isas() == sorted(available_isas(), key=rank.__getitem__)  # lowest rank first
+
+
+def test_paths_def_is_the_one_list_python_and_cpp_read():
+    """csrc/core/paths.def generates the C++ path table; Python parses the same file: both see the same rows,
+    the scalar path is always there, and every path this CPU runs is one of them."""
+    ext = extension()
+    if ext is None:
+        pytest.skip("the C++ kernel is not built here")
+    assert [(p.name, p.family, p.rank) for p in isa_paths()] == [tuple(r) for r in ext.isa_table()]
+    assert kernels.ISAS == tuple(p.name for p in isa_paths()) and "scalar" in kernels.ISAS
+    assert set(available_isas()) <= set(arch_isas()) and arch_isas()[0] == "scalar"
+    for name in available_isas():  # each file's IsaOps::name is its paths.def name
+        with using_isa(name):
+            assert isa() == name
+
+
+def test_paths_def_bad_line_is_refused(tmp_path, monkeypatch):
+    bad = tmp_path / "paths.def"
+    bad.write_text("// a comment\nDW_PATH(avx2, X86, has_avx2)\n")
+    monkeypatch.setattr(kernels, "PATHS_DEF", bad)
+    kernels.isa_paths.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"paths.def:2: not a DW_PATH"):
+            kernels.isa_paths()
+    finally:
+        kernels.isa_paths.cache_clear()
+
+
+def test_kernel_sources_and_build_name_cover_the_folder_tree(tmp_path, monkeypatch):
+    """Every .cpp under csrc/ but the selftest is compiled; the build name changes with any source, header,
+    fragment or the path list, wherever it lies; two sources with one base name are refused (torch's builder
+    names object files by base name)."""
+    srcs = {p.relative_to(kernels.CSRC).as_posix() for p in kernels.kernel_sources()}
+    assert "core/dispatch.cpp" in srcs and "bindings/ops.cpp" in srcs and "arch/x86/qmm_avx2.cpp" in srcs
+    assert "arch/arm/qmm_neon.cpp" in srcs and not any(s.startswith("tests/") for s in srcs)
+    # every file of the folder is a kind the build name hashes (a new kind would silently not rebuild)
+    assert all(p.suffix in kernels.KERNEL_SUFFIXES for p in kernels.CSRC.rglob("*") if p.is_file())
+    copy = tmp_path / "csrc"
+    shutil.copytree(kernels.CSRC, copy)
+    monkeypatch.setattr(kernels, "CSRC", copy)
+    base = kernels.build_name()
+    for rel in ("core/tiles.inc", "arch/arm/neon.h", "core/paths.def", "tests/selftest.cpp"):
+        f = copy / rel
+        old = f.read_bytes()
+        f.write_bytes(old + b"\n")
+        assert kernels.build_name() != base, rel
+        f.write_bytes(old)
+    assert kernels.build_name() == base
+    (copy / "gguf" / "dispatch.cpp").write_text("")
+    with pytest.raises(RuntimeError, match="share a file name.*dispatch.cpp"):
+        kernels.kernel_sources()
 
 
 def test_multi_row_calls_may_take_another_path_with_the_same_bits():
@@ -360,7 +411,8 @@ def test_selftest_arm_neon_paths_bit_identical_under_qemu(tmp_path):
     r = subprocess.run([str(KERNELS / "build_selftest.sh"), "aarch64", str(tmp_path / "selftest-arm")],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "paths: scalar neon neondot" in r.stdout
+    arm = [p.name for p in sorted(isa_paths(), key=lambda p: p.rank) if p.family in ("ANY", "ARM")]
+    assert "paths: " + " ".join(arm) + "\n" in r.stdout  # qemu's "max" CPU runs every ARM path
     assert _selftest_checksums(r.stdout) == GOLDEN
 
 

@@ -1,4 +1,4 @@
-"""The K-quant rule (csrc/kquant.h): Q4_K / Q6_K weights computed from the GGUF's own integers, 16 columns
+"""The K-quant rule (csrc/core/kquant.h): Q4_K / Q6_K weights computed from the GGUF's own integers, 16 columns
 interleaved per tile. The layout de-quantizes to exactly the numpy reference's weights (kernels/gguf_quant
 .parse); the product matches a float64 reference of the same rounding; every path and every row count
 computes the same bits; models made of such matrices load in place, fused, and decode batch-invariantly."""

@@ -4,8 +4,9 @@ blocks of 256 for Q4_K / Q6_K, of 32 for the groupwise code, as llama.cpp does);
 ``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps fp32 activations instead (Q4_K / Q6_K then load in the groupwise
 code; slower, for measuring what the activation rounding costs). Dense weights always take fp32 activations.
 
-The C++ kernel (``csrc/``: one file per instruction set, the scalar reference beside them, see
-``csrc/qmm.h`` and ``csrc/kquant.h`` for the numeric rules they share) is compiled on first use with torch's extension
+The C++ kernel (``csrc/``: ``core/`` the numeric rules ``qmm.h`` and ``kquant.h``, their scalar references and
+the dispatch; ``arch/x86/``, ``arch/arm/`` one file per instruction set, listed in ``core/paths.def``; see
+docs/kernels.md "Source layout") is compiled on first use with torch's extension
 builder, without ``-march=native``: each instruction-set file carries its own target, and the path is
 chosen at run time from what the CPU reports (``isa()``; ``DRAFTWISE_ISA`` forces a lower one). Every
 path computes the same bits, so the same GGUF gives the same tokens on every CPU. Where the kernel
@@ -16,10 +17,12 @@ cannot be built, a pure-torch path computes the same products (not bit-identical
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
 import platform
+import re
 import threading
 from pathlib import Path
 
@@ -138,14 +141,69 @@ CSRC = Path(__file__).with_name("csrc")
 # No -march=native: each instruction-set file sets its own target and the path is picked at run time, so
 # a build made on one CPU runs on any other of the same architecture (no SIGILL when a home directory
 # moves between machines). No -ffast-math, and no contraction of a * b + c into an FMA the source did not
-# ask for: the numeric rule (csrc/qmm.h) is the same on every path only if the compiler keeps every
+# ask for: the numeric rule (csrc/core/qmm.h) is the same on every path only if the compiler keeps every
 # operation as written.
-CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-pthread"]  # threads: csrc/pool.h
-ISAS = ("scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "neon", "neondot")  # + "vnni", "auto"
+CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-pthread"]  # threads: csrc/core/pool.h
+PATHS_DEF = CSRC / "core" / "paths.def"  # the one list of instruction-set paths (an X-macro file)
+
+
+@dataclasses.dataclass(frozen=True)
+class IsaPath:
+    """One instruction-set path of the kernel, as ``csrc/core/paths.def`` lists it."""
+
+    name: str    # DRAFTWISE_ISA / isa() / available_isas() name
+    family: str  # "ANY", "X86" or "ARM": the architecture whose builds can run it
+    rank: int    # preference: of the paths a CPU can run, the highest runs by default
+
+
+@functools.cache
+def isa_paths() -> tuple[IsaPath, ...]:
+    """Every path, in ``paths.def`` order, read from the file the C++ dispatch table is generated from (so
+    Python needs no second list; the extension's ``isa_table()`` gives the same rows, tests check it)."""
+    rows = []
+    for i, line in enumerate(PATHS_DEF.read_text().splitlines(), 1):
+        if not line.strip().startswith("DW_PATH"):
+            continue
+        m = re.fullmatch(r"DW_PATH\(\s*(\w+)\s*,\s*(ANY|X86|ARM)\s*,\s*\w+\s*,\s*(\d+)\s*\)\s*(//.*)?", line.strip())
+        if m is None:
+            raise RuntimeError(f"{PATHS_DEF}:{i}: not a DW_PATH(name, ANY|X86|ARM, cpu_check, rank) line: {line!r}")
+        rows.append(IsaPath(m.group(1), m.group(2), int(m.group(3))))
+    return tuple(rows)
+
+
+def machine_family() -> str:
+    """This machine's path family in ``paths.def`` terms: "X86", "ARM", or "" (only the scalar path)."""
+    m = platform.machine().lower()
+    return "X86" if m in ("x86_64", "amd64", "x86-64") else "ARM" if m in ("aarch64", "arm64") else ""
+
+
+def arch_isas() -> list[str]:
+    """The paths a build for this architecture has, lowest rank first (the CPU may lack some: available_isas)."""
+    return [p.name for p in sorted(isa_paths(), key=lambda p: p.rank) if p.family in ("ANY", machine_family())]
+
+
+ISAS = tuple(p.name for p in isa_paths())  # every path of every architecture; set_isa also takes "vnni", "auto"
 
 
 def kernel_sources() -> list[Path]:
-    return sorted(p for p in CSRC.glob("*.cpp") if p.name != "selftest.cpp")
+    """The extension's translation units: every ``.cpp`` under ``csrc/`` except the torch-free selftest
+    (``csrc/tests/``). torch's builder names each object file after the source's base name, so two sources
+    with one name in different folders would overwrite each other's object: refused here."""
+    srcs = sorted(p for p in CSRC.rglob("*.cpp") if p.relative_to(CSRC).parts[0] != "tests")
+    names = [p.name for p in srcs]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise RuntimeError(f"kernel sources share a file name ({', '.join(dup)}): each .cpp under {CSRC} needs its own")
+    return srcs
+
+
+KERNEL_SUFFIXES = (".cpp", ".h", ".inc", ".def")  # sources, headers, textual fragments, the path list
+
+
+def kernel_files() -> list[Path]:
+    """Every file the kernel is built from (sources, headers, fragments, paths.def; the selftest too), in a
+    fixed order."""
+    return sorted(p for p in CSRC.rglob("*") if p.suffix in KERNEL_SUFFIXES)
 
 
 def build_name() -> str:
@@ -153,8 +211,8 @@ def build_name() -> str:
     other sources, flags or another architecture (a home directory shared between machines) is never
     loaded in place of this one."""
     h = hashlib.sha256(" ".join(CFLAGS).encode())
-    for p in kernel_sources() + sorted(CSRC.glob("*.h")):
-        h.update(p.name.encode() + p.read_bytes())
+    for p in kernel_files():
+        h.update(p.relative_to(CSRC).as_posix().encode() + b"\0" + p.read_bytes())
     return f"draftwise_kernels_{platform.machine().lower()}_{h.hexdigest()[:12]}"
 
 
@@ -376,7 +434,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * (amax / 127.0)).view(M, K)
 
 
-KQ_BITS = {12: 2368, 14: 3392}  # QLinear ``bits`` of the K-quant rule (Q4_K, Q6_K; csrc/kquant.h): tile bytes
+KQ_BITS = {12: 2368, 14: 3392}  # QLinear ``bits`` of the K-quant rule (Q4_K, Q6_K; csrc/core/kquant.h): tile bytes
 
 
 def kq_shape(q: torch.Tensor, bits: int) -> tuple[int, int]:
@@ -405,8 +463,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, 
 
 
 class QLinear(nn.Module):
-    """y = x @ W^T (+ b) with W held as (q, scale, minv) groups (csrc/qmm.h), or, for ``bits`` 12 / 14, as
-    the GGUF's own Q4_K / Q6_K blocks interleaved by 16 columns (csrc/kquant.h; ``scale`` is then (N, 0))."""
+    """y = x @ W^T (+ b) with W held as (q, scale, minv) groups (csrc/core/qmm.h), or, for ``bits`` 12 / 14, as
+    the GGUF's own Q4_K / Q6_K blocks interleaved by 16 columns (csrc/core/kquant.h; ``scale`` is then (N, 0))."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int,
                  bias: torch.Tensor | None = None):

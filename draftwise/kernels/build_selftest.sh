@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build (and run) the kernel core's stand-alone test (csrc/selftest.cpp), without torch.
+# Build (and run) the kernel core's stand-alone test (csrc/tests/selftest.cpp), without torch.
 #   build_selftest.sh native  [OUT]   build for this machine and run it (every path this CPU has)
 #   build_selftest.sh aarch64 [OUT]   cross-compile for ARM (g++-aarch64-linux-gnu) and run it under
 #                                     qemu-aarch64 (qemu-user): plain NEON and dotprod paths
@@ -8,7 +8,8 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)/csrc"
 target=${1:-native}
 out=${2:-$(mktemp -d)/selftest-$target}
-src=("$here"/selftest.cpp "$here"/qmm_*.cpp "$here"/dispatch.cpp "$here"/layers.cpp "$here"/pool.cpp "$here"/repack.cpp "$here"/kquant_ref.cpp)
+# every .cpp of the kernel except the torch bindings, and the test itself
+src=("$here"/tests/selftest.cpp "$here"/core/*.cpp "$here"/arch/*/*.cpp "$here"/gguf/*.cpp)
 flags=(-O2 -pthread -std=c++17 -ffp-contract=off -fno-fast-math -w -I"$here")
 case "$target" in
   native)

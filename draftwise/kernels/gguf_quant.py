@@ -1,7 +1,7 @@
 """GGUF quantized tensors → the (q, scale, minv, group, bits) code of ``QLinear``, exactly.
 
 ``parse`` is the reference (numpy); ``repack`` computes the same bytes with the kernel's C++ re-packer
-(csrc/repack.h) at every load, which lets the GGUF be the only copy of a model on disk.
+(csrc/gguf/repack.h) at every load, which lets the GGUF be the only copy of a model on disk.
 
 Every supported GGML block format is an affine code per group of weights,
 ``w = scale * q - minv``, so its integers and scales are re-laid out, never re-quantized:
@@ -120,7 +120,7 @@ def parse(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> QCode | None:
 
 def repack_format(qtype: str) -> tuple[int, int, int, bool] | None:
     """(ggml type id, group, bits, has_min) of the code the kernel's re-packer makes of GGML type ``qtype``
-    (csrc/repack.h), or None when it does not handle it or the kernel is not built."""
+    (csrc/gguf/repack.h), or None when it does not handle it or the kernel is not built."""
     from gguf import GGMLQuantizationType
 
     from . import extension
@@ -133,13 +133,13 @@ def repack_format(qtype: str) -> tuple[int, int, int, bool] | None:
     return None if fmt is None else (tid, *fmt)
 
 
-KQ_TYPES = {"Q4_K": 12, "Q6_K": 14}  # GGML types computed by the K-quant rule (csrc/kquant.h), by ggml id
+KQ_TYPES = {"Q4_K": 12, "Q6_K": 14}  # GGML types computed by the K-quant rule (csrc/core/kquant.h), by ggml id
 KQ_TILE = {12: 2368, 14: 3392}  # bytes of one 16-column tile per super-block of 256 (kquant.h)
 
 
 def kq_format(qtype: str, shape: tuple[int, int]) -> tuple[int, int, int, bool] | None:
     """(ggml type id, group, bits, has_min) = (id, 256, id, False) when an (N, K) tensor of GGML type
-    ``qtype`` runs on the K-quant rule (csrc/kquant.h: the file's own integers, 16 columns interleaved;
+    ``qtype`` runs on the K-quant rule (csrc/core/kquant.h: the file's own integers, 16 columns interleaved;
     ``QLinear`` with ``bits`` 12 / 14): Q4_K / Q6_K with N a multiple of 16, with the kernel built and int8
     activations (``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps the groups-of-32 code, which has an fp32-activation
     path). Else None."""
@@ -169,7 +169,7 @@ def code_rows(code: QCode, row: int, n: int) -> QCode:
 
 
 def repack(data: np.ndarray, qtype: str, shape: tuple[int, int], out: QCode | None = None) -> QCode | None:
-    """``parse`` through the kernel's C++ re-packer (csrc/repack.h) where it handles the format: the same
+    """``parse`` through the kernel's C++ re-packer (csrc/gguf/repack.h) where it handles the format: the same
     bytes, written in place into ``out`` when given (e.g. rows of a fused matrix), on the kernel's threads.
     Q4_K / Q6_K tensors that ``kq_format`` accepts become the K-quant code instead. Falls back to ``parse``
     (None for formats neither handles)."""

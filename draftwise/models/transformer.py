@@ -351,7 +351,7 @@ class QEmbedding(nn.Module):
         from ..kernels import KQ_BITS, dequantize, extension, kq_shape
 
         flat = ids.reshape(-1)  # (n,)
-        if self.bits in KQ_BITS:  # the K-quant code (csrc/kquant.h): its rows de-quantized in C++
+        if self.bits in KQ_BITS:  # the K-quant code (csrc/core/kquant.h): its rows de-quantized in C++
             V, D = kq_shape(self.q, self.bits)
             rows = extension().kq_rows(self.q.view(-1), self.bits, V, D, flat.long())
             return rows.to(self.dtype).view(*ids.shape, -1)

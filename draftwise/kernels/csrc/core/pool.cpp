@@ -1,5 +1,5 @@
 // The kernel's thread pool (pool.h): chunks claimed from one atomic counter; no barrier.
-#include "pool.h"
+#include "core/pool.h"
 
 #include <atomic>
 #include <chrono>

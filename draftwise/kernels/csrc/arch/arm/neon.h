@@ -6,8 +6,8 @@
 
 #include <cstring>
 
-#include "kquant.h"
-#include "qmm.h"
+#include "core/kquant.h"
+#include "core/qmm.h"
 
 namespace {
 
@@ -140,8 +140,8 @@ inline void column_f32(const QmmArgs& a, int64_t n, int64_t m0) {
   }
 }
 
-#include "neon_act.h"  // quantize_act_neon, silu_mul_neon, attend_groups_simd
-#include "kquant_neon.h"  // kq_qmm: the K-quant rule on these vectors
-#include "tiles.h"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
+#include "arch/arm/neon_act.inc"  // quantize_act_neon, silu_mul_neon, attend_groups_simd
+#include "arch/arm/kquant_neon.inc"  // kq_qmm: the K-quant rule on these vectors
+#include "core/tiles.inc"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
 
 }  // namespace

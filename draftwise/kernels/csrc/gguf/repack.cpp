@@ -1,29 +1,12 @@
 // GGUF blocks -> the kernel's code: see repack.h. Plain C++ (it runs once per load, bound by reading the
 // file; the compiler vectorizes the byte loops).
-#include "repack.h"
+#include "gguf/repack.h"
 
 #include <cstring>
 
-namespace dw {
+#include "core/qmm.h"  // half_to_float
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);  // inf / nan
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);  // normal: rebias 15 -> 127
-  } else if (man == 0) {
-    bits = sign;  // +-0
-  } else {  // subnormal: normalize
-    exp = 113;
-    while (!(man & 0x400)) man <<= 1, --exp;
-    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+namespace dw {
 
 static inline float f16_at(const uint8_t* p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
 

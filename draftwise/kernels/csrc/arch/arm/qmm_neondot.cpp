@@ -1,10 +1,10 @@
 // ARM NEON with the dot-product extension (vdotq_s32; ARMv8.2-A+dotprod). The kernel is neon.h.
-#include "qmm.h"
+#include "core/qmm.h"
 #if defined(__aarch64__)
 #pragma GCC push_options
 #pragma GCC target("arch=armv8.2-a+dotprod")
 #define DW_DOT 1
-#include "neon.h"
+#include "arch/arm/neon.h"
 #pragma GCC pop_options
 namespace dw {
 const IsaOps* neondot_ops() {

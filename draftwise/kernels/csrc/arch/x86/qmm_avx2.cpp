@@ -1,10 +1,10 @@
 // AVX2 + FMA + F16C path (Intel Haswell and later, AMD Zen 1-4). The kernel is x86_256.h.
-#include "qmm.h"
+#include "core/qmm.h"
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define DW_VNNI 0
-#include "x86_256.h"
+#include "arch/x86/x86_256.h"
 #pragma GCC pop_options
 namespace dw {
 const IsaOps* avx2_ops() {

@@ -74,10 +74,7 @@ struct KqArgs {
 void act_q8k(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32);
 // the reference product for tiles t0..t1 (the rule written out one column at a time)
 void kq_ref(const KqArgs& a, int64_t t0, int64_t t1);
-// GGUF rows (n0..n1 of an (N, K) Q4_K / Q6_K tensor whose rows lie one after the other at src) -> their
-// columns of the x16 layout at dst (kq_bytes(fmt, N, K) bytes; padding columns are written by the tile
-// that holds column N - 1: zero)
-void kq_pack_rows(int fmt, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int64_t n0, int64_t n1);
+// (GGUF rows -> this layout: kq_pack_rows, gguf/repack.h)
 // x16 layout -> fp32 weights w = d * sc * q - dmin * m (Q4_K) / d * sc * (u - 32) (Q6_K) of rows n0..n1,
 // row n at out + (n - n0) * K, every product rounded as written (reference de-quantization, embedding
 // lookups, de-quantized prefill, tests)

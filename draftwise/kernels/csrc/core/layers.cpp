@@ -10,7 +10,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "qmm.h"
+#include "core/qmm.h"
 
 namespace dw {
 

@@ -13,8 +13,8 @@
 
 #include <cstring>
 
-#include "kquant.h"
-#include "qmm.h"
+#include "core/kquant.h"
+#include "core/qmm.h"
 
 namespace {
 
@@ -29,7 +29,7 @@ using dw::QmmArgs;
 constexpr int MB_MAX = DW_MB;              // activation rows per pass over a weight row (2 accumulators each)
 constexpr int64_t PREFETCH = 2048;     // bytes of codes ahead
 
-#include "x86_act.h"  // tree16(lo, hi); quantize_act_x86, silu_mul_x86, attend_groups_simd
+#include "arch/x86/x86_act.inc"  // tree16(lo, hi); quantize_act_x86, silu_mul_x86, attend_groups_simd
 
 // 16-lane fma accumulation of o[g] * v[g] into lane g % 16, then tree16 (the affine offset)
 inline float offset16(const float* o, const float* v, int64_t ng) {
@@ -206,7 +206,7 @@ inline void column_f32(const QmmArgs& a, int64_t n, int64_t m0) {
 }
 
 #define KQ_BITS 256
-#include "kquant_x86.h"  // kq_qmm: the K-quant rule on these vectors
-#include "tiles.h"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
+#include "arch/x86/kquant_x86.inc"  // kq_qmm: the K-quant rule on these vectors
+#include "core/tiles.inc"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
 
 }  // namespace

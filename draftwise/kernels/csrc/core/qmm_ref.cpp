@@ -1,8 +1,8 @@
 // The scalar reference path: the rule of qmm.h written out in plain C++, one lane at a time. Every SIMD
 // path must produce exactly these bits (tests/test_kernels.py and selftest.cpp compare them). Also the
 // activation quantization and group sums shared by all paths (plain C++, so the same on every CPU).
-#include "qmm.h"
-#include "kquant.h"
+#include "core/qmm.h"
+#include "core/kquant.h"
 
 #include <cmath>
 #include <cstring>
@@ -84,6 +84,26 @@ void ref_f32(const QmmArgs& a, int64_t n0, int64_t n1) {
 }  // namespace
 
 const IsaOps kScalar = {"scalar", ref_q8, ref_f32, quantize_act, silu_mul, attend_groups, kq_ref};
+const IsaOps* scalar_ops() { return &kScalar; }
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);  // normal: rebias 15 -> 127
+  } else if (man == 0) {
+    bits = sign;  // +-0
+  } else {  // subnormal: normalize
+    exp = 113;
+    while (!(man & 0x400)) man <<= 1, --exp;
+    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 ActQ8Sizes act_sizes(int64_t M, int64_t K, int64_t G, int64_t bits) {
   return {M * K, M * nsteps(K, bits) * 16, M * (K / G)};

@@ -1,4 +1,4 @@
-// Which path runs: what the CPU supports (cpuid on x86 through the compiler's __builtin_cpu_supports,
+// Which path runs: the paths of core/paths.def, what the CPU supports (cpuid on x86 through the compiler's __builtin_cpu_supports,
 // which also checks that the OS saves the wide registers; getauxval on Linux/ARM), intersected with what
 // was compiled in. The chosen path can be changed at run time (set_active: DRAFTWISE_ISA, applied from
 // Python, or tests running every path the CPU has, a lower path on a bigger CPU).
@@ -7,7 +7,7 @@
 #include <cstring>
 #include <string>
 
-#include "qmm.h"
+#include "core/qmm.h"
 
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
@@ -20,15 +20,9 @@ namespace dw {
 
 namespace {
 
-struct Path {
-  const char* name;
-  const IsaOps* (*ops)();
-  bool (*cpu_has)();
-};
-
-const IsaOps* scalar_ops() { return &kScalar; }
+// ---- CPU checks (the cpu_check column of paths.def) ----
 bool always() { return true; }
-
+bool never() { return false; }
 #if defined(__x86_64__) || defined(_M_X64)
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }
 bool has_avxvnni() {
@@ -43,11 +37,6 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
 bool has_avx512vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
-bool never() { return false; }
-const Path kPaths[] = {{"scalar", scalar_ops, always},       {"avx2", avx2_ops, has_avx2},
-                       {"avxvnni", avxvnni_ops, has_avxvnni}, {"avx512", avx512_ops, has_avx512},
-                       {"avx512vnni", avx512vnni_ops, has_avx512vnni}, {"neon", neon_ops, never},
-                       {"neondot", neondot_ops, never}};
 #elif defined(__aarch64__)
 bool has_dot() {
 #if defined(__linux__)
@@ -58,27 +47,74 @@ bool has_dot() {
   return false;
 #endif
 }
-bool never() { return false; }
-const Path kPaths[] = {{"scalar", scalar_ops, always}, {"neon", neon_ops, always}, {"neondot", neondot_ops, has_dot},
-                       {"avx2", avx2_ops, never},      {"avxvnni", avxvnni_ops, never},
-                       {"avx512", avx512_ops, never},  {"avx512vnni", avx512vnni_ops, never}};
-#else
-bool never() { return false; }
-const Path kPaths[] = {{"scalar", scalar_ops, always}, {"neon", neon_ops, never}, {"neondot", neondot_ops, never},
-                       {"avx2", avx2_ops, never}, {"avxvnni", avxvnni_ops, never}, {"avx512", avx512_ops, never},
-                       {"avx512vnni", avx512vnni_ops, never}};
 #endif
+
+// A path of another architecture's family never runs here (and its CPU check is not compiled).
+#define DW_CHECK_ANY(check) check
+#if defined(__x86_64__) || defined(_M_X64)
+#define DW_CHECK_X86(check) check
+#define DW_CHECK_ARM(check) never
+#elif defined(__aarch64__)
+#define DW_CHECK_X86(check) never
+#define DW_CHECK_ARM(check) check
+#else
+#define DW_CHECK_X86(check) never
+#define DW_CHECK_ARM(check) never
+#endif
+
+enum class Family { ANY, X86, ARM };
+
+struct Path {
+  const char* name;
+  Family family;
+  const IsaOps* (*ops)();
+  bool (*cpu_has)();
+  int rank;
+};
+
+// the path table: paths.def, one row per line
+constexpr Path kPaths[] = {
+#define DW_PATH(name, family, cpu_check, rank) {#name, Family::family, name##_ops, DW_CHECK_##family(cpu_check), rank},
+#include "core/paths.def"
+#undef DW_PATH
+};
 constexpr int kNumPaths = sizeof(kPaths) / sizeof(kPaths[0]);
+#undef DW_CHECK_ANY
+#undef DW_CHECK_X86
+#undef DW_CHECK_ARM
+
+constexpr bool same_name(const char* a, const char* b) {
+  while (*a && *a == *b) ++a, ++b;
+  return *a == *b;
+}
+// two paths that can run on one CPU (one family, or one of them ANY) need distinct ranks, every path a distinct name
+constexpr bool table_ok() {
+  for (int i = 0; i < kNumPaths; ++i)
+    for (int j = i + 1; j < kNumPaths; ++j) {
+      if (same_name(kPaths[i].name, kPaths[j].name)) return false;
+      const bool together = kPaths[i].family == kPaths[j].family || kPaths[i].family == Family::ANY ||
+                            kPaths[j].family == Family::ANY;
+      if (together && kPaths[i].rank == kPaths[j].rank) return false;
+    }
+  return true;
+}
+static_assert(table_ok(), "core/paths.def: duplicate path name, or two paths of one family with the same rank");
+
+constexpr const char* family_name(Family f) { return f == Family::X86 ? "X86" : f == Family::ARM ? "ARM" : "ANY"; }
 
 bool usable(const Path& p) { return p.cpu_has() && p.ops() != nullptr; }
 
+// the usable path of the highest rank among those whose name contains `part` (all when empty)
+const Path* best_of(const char* part) {
+  const Path* b = nullptr;
+  for (const Path& p : kPaths)
+    if (std::strstr(p.name, part) && usable(p) && (!b || p.rank > b->rank)) b = &p;
+  return b;
+}
+
 const IsaOps* best() {
-  // preference order, best first
-  static const char* order[] = {"avx512vnni", "avx512", "avxvnni", "avx2", "neondot", "neon", "scalar"};
-  for (const char* name : order)
-    for (const Path& p : kPaths)
-      if (!std::strcmp(p.name, name) && usable(p)) return p.ops();
-  return &kScalar;
+  const Path* b = best_of("");
+  return b ? b->ops() : &kScalar;
 }
 
 std::atomic<const IsaOps*> g_active{nullptr};
@@ -114,9 +150,7 @@ const char* cpu_features() {
       if (has) r += std::string(r.empty() ? "" : " ") + n;
     }
 #elif defined(__aarch64__)
-    r = "neon";
-    for (const Path& p : kPaths)
-      if (!std::strcmp(p.name, "neondot") && p.cpu_has()) r += " dotprod";
+    r = has_dot() ? "neon dotprod" : "neon";
 #else
     r = "(no SIMD paths for this architecture)";
 #endif
@@ -125,20 +159,32 @@ const char* cpu_features() {
   return s.c_str();
 }
 
+int path_count() { return kNumPaths; }
+
+PathInfo path_info(int i) {
+  if (i < 0 || i >= kNumPaths) return {nullptr, nullptr, 0};
+  return {kPaths[i].name, family_name(kPaths[i].family), kPaths[i].rank};
+}
+
 int available_paths(const char** names, int cap) {
+  const Path* found[kNumPaths];
   int n = 0;
   for (const Path& p : kPaths)
-    if (usable(p) && n < cap) names[n++] = p.name;
-  return n;
+    if (usable(p)) {  // insert by rank, lowest first
+      int i = n++;
+      for (; i > 0 && found[i - 1]->rank > p.rank; --i) found[i] = found[i - 1];
+      found[i] = &p;
+    }
+  for (int i = 0; i < n && i < cap; ++i) names[i] = found[i]->name;
+  return n < cap ? n : cap;
 }
 
 const IsaOps* path_by_name(const char* name) {
   if (!name) return nullptr;
   if (!std::strcmp(name, "auto")) return best();
-  if (!std::strcmp(name, "vnni")) {  // the widest VNNI path this CPU has
-    for (const char* n : {"avx512vnni", "avxvnni"})
-      if (const IsaOps* o = path_by_name(n)) return o;
-    return nullptr;
+  if (!std::strcmp(name, "vnni")) {  // the best VNNI path this CPU has (avx512vnni, avxvnni)
+    const Path* b = best_of("vnni");
+    return b ? b->ops() : nullptr;
   }
   for (const Path& p : kPaths)
     if (!std::strcmp(p.name, name)) return usable(p) ? p.ops() : nullptr;

@@ -2,7 +2,7 @@
 // bits as the scalar reference, for every weight format and both activation kinds, and for any number of
 // rows (batch invariance). Prints one checksum per case; the checksums are the same on every CPU and
 // architecture (tests/test_kernels.py pins them, and the ARM build is checked under qemu-user, see
-// README "Kernels"). Build: see draftwise/kernels/build_selftest.sh. Exit status 1 on any mismatch.
+// docs/kernels.md). Build: see draftwise/kernels/build_selftest.sh. Exit status 1 on any mismatch.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -12,10 +12,10 @@
 #include <thread>
 #include <vector>
 
-#include "kquant.h"
-#include "pool.h"
-#include "qmm.h"
-#include "repack.h"
+#include "core/kquant.h"
+#include "core/pool.h"
+#include "core/qmm.h"
+#include "gguf/repack.h"
 
 namespace {
 
@@ -331,6 +331,11 @@ int main() {
   for (int p = 0; p < npaths; ++p) std::printf(" %s", names[p]);
   std::printf("\n");
   int failures = 0;
+  for (int p = 0; p < npaths; ++p)  // each path file's IsaOps::name is its core/paths.def name
+    if (std::strcmp(dw::path_by_name(names[p])->name, names[p])) {
+      std::printf("MISMATCH path %s is named %s by its file\n", names[p], dw::path_by_name(names[p])->name);
+      ++failures;
+    }
   for (const Case& c : cases) {
     const int64_t M = 13, ng = c.K / c.G, rowbytes = c.K * c.bits / 8;
     std::vector<uint8_t> q(c.N * rowbytes);

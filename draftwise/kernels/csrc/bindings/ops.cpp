@@ -6,12 +6,13 @@
 
 #include <atomic>
 #include <string>
+#include <tuple>
 #include <vector>
 
-#include "kquant.h"
-#include "pool.h"
-#include "qmm.h"
-#include "repack.h"
+#include "core/kquant.h"
+#include "core/pool.h"
+#include "core/qmm.h"
+#include "gguf/repack.h"
 
 // The kernel's thread count: torch's (at::get_num_threads()) unless set_threads(n > 0) says otherwise —
 // the model runs short forwards with torch's own pool at one thread (kernels/__init__.py serial_torch:
@@ -272,6 +273,16 @@ std::vector<std::string> available_isas() {
 
 std::string cpu_features() { return dw::cpu_features(); }
 
+// every path of core/paths.def, compiled in or not: (name, family, rank)
+std::vector<std::tuple<std::string, std::string, int>> isa_table() {
+  std::vector<std::tuple<std::string, std::string, int>> rows;
+  for (int i = 0; i < dw::path_count(); ++i) {
+    const dw::PathInfo p = dw::path_info(i);
+    rows.emplace_back(p.name, p.family, p.rank);
+  }
+  return rows;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "weight-only quantized matmul (CPU), the rule of qmm.h on the active path");
   m.def("qmm_kq", &qmm_kq, "the K-quant rule (kquant.h): x @ W^T for Q4_K / Q6_K weights in the x16 layout");
@@ -296,9 +307,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
   }, "y += b on this thread (no torch thread pool: a short forward's bias)");
   m.def("isa", &isa, "the instruction-set path in use");
-  m.def("set_isa", &set_isa, "force a path (scalar, avx2, avxvnni, avx512, avx512vnni, neon, neondot, vnni, auto)");
+  static const std::string set_isa_doc = [] {
+    std::string d = "force a path (";
+    for (int i = 0; i < dw::path_count(); ++i) d += std::string(dw::path_info(i).name) + ", ";
+    return d + "vnni, auto)";
+  }();
+  m.def("set_isa", &set_isa, set_isa_doc.c_str());
   m.def("set_isa_multi", &set_isa_multi, "the path for calls of 3 or more rows ('' = the same as isa())");
   m.def("isa_multi", &isa_multi, "the path for calls of 3 or more rows, '' when it is isa()'s");
   m.def("available_isas", &available_isas, "paths compiled in and supported by this CPU, lowest first");
+  m.def("isa_table", &isa_table, "every path of core/paths.def, compiled in or not: (name, family, rank)");
   m.def("cpu_features", &cpu_features, "CPU features found by cpuid / getauxval");
 }

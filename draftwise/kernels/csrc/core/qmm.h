@@ -116,6 +116,8 @@ inline float round_even(float v) {
   return (v + m) - m;
 }
 
+float half_to_float(uint16_t h);  // exact IEEE binary16 -> binary32 (subnormals, inf, nan; qmm_ref.cpp)
+
 // Sizes of the ActQ8 buffers for (M, K, G, bits)
 struct ActQ8Sizes { int64_t q, lane, gs; };
 ActQ8Sizes act_sizes(int64_t M, int64_t K, int64_t G, int64_t bits);
@@ -126,19 +128,24 @@ void quantize_act(const float* x, int64_t M, int64_t K, int64_t G, int64_t bits,
 // (M, K / G) in-order group sums of x (fp32-activation offsets)
 void group_sums(const float* x, int64_t M, int64_t K, int64_t G, float* xsum);
 
-// ---- paths ----
-extern const IsaOps kScalar;  // the reference: the rule written out in plain C++
-const IsaOps* avx2_ops();      // null when not compiled in (non-x86 build, old compiler)
-const IsaOps* avxvnni_ops();
-const IsaOps* avx512_ops();
-const IsaOps* avx512vnni_ops();
-const IsaOps* neon_ops();
-const IsaOps* neondot_ops();
+// ---- paths (core/paths.def: one line each) ----
+extern const IsaOps kScalar;  // the reference: the rule written out in plain C++ (qmm_ref.cpp)
+// <name>_ops() for every path: its file under arch/ (scalar: qmm_ref.cpp); null when not compiled in
+// (another architecture, an old compiler)
+#define DW_PATH(name, family, cpu_check, rank) const IsaOps* name##_ops();
+#include "core/paths.def"
+#undef DW_PATH
 
 // ---- dispatch (dispatch.cpp) ----
-// Names, best last: scalar avx2 avxvnni avx512 avx512vnni | scalar neon neondot
-const char* cpu_features();            // e.g. "avx2 fma f16c" as found by cpuid / getauxval
-int available_paths(const char** names, int cap);  // compiled in AND supported by this CPU
+struct PathInfo {
+  const char* name;
+  const char* family;  // "ANY", "X86", "ARM"
+  int rank;            // preference: the highest usable rank runs by default
+};
+int path_count();              // every path of paths.def, compiled in or not
+PathInfo path_info(int i);     // in paths.def order
+const char* cpu_features();    // e.g. "avx2 fma f16c" as found by cpuid / getauxval
+int available_paths(const char** names, int cap);  // compiled in AND supported by this CPU, lowest rank first
 const IsaOps* path_by_name(const char* name);      // null if unknown, not compiled or not supported
 const IsaOps* active();                // the path set by set_active (DRAFTWISE_ISA, from Python), else the best available
 // Force a path ("vnni" = the best VNNI path; "auto" = best). Returns false (and changes nothing) when
@@ -156,8 +163,8 @@ void qmm_columns(const IsaOps* ops, const QmmArgs& a, bool q8, int64_t n0, int64
 
 // ---- fused layer ops (layers.cpp): portable, fixed-order, same bits everywhere ----
 float dw_exp(float x);  // exp with a fixed polynomial (libm's expf differs between builds)
-// dw_exp's constants, one definition for the reference and every path's vector exp (x86_act.h exp8,
-// neon_act.h exp4): n = round_even(x * kExpLog2e); r = (x - n * kExpLn2Hi) + n * kExpLn2Lo (ln 2 split in
+// dw_exp's constants, one definition for the reference and every path's vector exp (x86_act.inc exp8,
+// neon_act.inc exp4): n = round_even(x * kExpLog2e); r = (x - n * kExpLn2Hi) + n * kExpLn2Lo (ln 2 split in
 // two: n * kExpLn2Hi is exact); p = Horner over kExpPoly (Cephes expf minimax on |r| <= ln2 / 2);
 // y = (p * (r * r) + r) + 1; y * 2^n. Above kExpHi: +inf; below kExpLo: 0 (flushed, deterministically)
 constexpr float kExpHi = 88.72283f, kExpLo = -87.0f, kExpLog2e = 1.44269504088896341f;

@@ -6,8 +6,8 @@
 
 #include <cstring>
 
-#include "kquant.h"
-#include "qmm.h"
+#include "core/kquant.h"
+#include "core/qmm.h"
 
 namespace {
 
@@ -146,9 +146,9 @@ inline void column_f32(const QmmArgs& a, int64_t n, int64_t m0) {
   }
 }
 
-#include "x86_act.h"  // quantize_act_x86, silu_mul_x86, attend_groups_simd (256-bit)
+#include "arch/x86/x86_act.inc"  // quantize_act_x86, silu_mul_x86, attend_groups_simd (256-bit)
 #define KQ_BITS 512
-#include "kquant_x86.h"  // kq_qmm: the K-quant rule on these vectors
-#include "tiles.h"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
+#include "arch/x86/kquant_x86.inc"  // kq_qmm: the K-quant rule on these vectors
+#include "core/tiles.inc"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
 
 }  // namespace

@@ -1,11 +1,11 @@
 // AVX512-VNNI path: vpdpbusd on zmm (Intel Cascade Lake and later Xeons, Ice Lake, Sapphire Rapids;
 // AMD Zen 4 / 5). The kernel is x86_512.h.
-#include "qmm.h"
+#include "core/qmm.h"
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
 #define DW_VNNI 1
-#include "x86_512.h"
+#include "arch/x86/x86_512.h"
 #pragma GCC pop_options
 namespace dw {
 const IsaOps* avx512vnni_ops() {

@@ -36,6 +36,9 @@ bool repack_format(int type, RepackFormat* f);
 void repack_rows(int type, const uint8_t* src, int64_t K, uint8_t* q, float* scale, float* minv, int64_t n0,
                  int64_t n1);
 
-float half_to_float(uint16_t h);  // exact IEEE binary16 -> binary32 (subnormals, inf, nan)
+// GGUF Q4_K / Q6_K rows (n0..n1 of an (N, K) tensor whose rows lie one after the other at src) -> their
+// columns of the K-quant rule's x16 layout (core/kquant.h) at dst (kq_bytes(fmt, N, K) bytes; padding
+// columns are written by the tile that holds column N - 1: zero). fmt: kKq4 / kKq6 (kquant_pack.cpp)
+void kq_pack_rows(int fmt, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int64_t n0, int64_t n1);
 
 }  // namespace dw
