@@ -85,6 +85,48 @@ def test_chooses_by_cost_and_measured_acceptance(tiny_target):
     assert auto.chosen[NONE] > 30 and s.output_ids == ref.output_ids
 
 
+def zen5(T: int) -> float:  # the 1.5B's measured pass-cost shape on AVX512-VNNI (bench-forward)
+    pts = [(1, 1.0), (2, 1.02), (4, 1.10), (8, 1.41), (16, 2.33), (32, 4.17)]
+    for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+        if T <= t1 or t1 == 32:
+            return c0 + (c1 - c0) * (T - t0) / (t1 - t0)
+    return 1.0
+
+
+class HalfRight(StatelessDrafter):
+    """The target's next token at every other position (else a wrong one), then wrong ones: the
+    measured acceptance settles near one half."""
+
+    name = "half"
+
+    def __init__(self, reference: list[int]):
+        self.ref = reference
+
+    def propose(self, seqs, ks):
+        out = []
+        for s, k in zip(seqs, ks):
+            n = len(s.tokens)
+            nxt = self.ref[n] if n < len(self.ref) else 0
+            out.append(Draft([nxt if n % 2 == 0 else (nxt + 1) % 64] + [(t + 1) % 64 for t in self.ref[n + 1:n + k]]))
+        return out
+
+
+def test_a_full_batch_drafts_less_than_one_row(tiny_target):
+    """A draft that pays for one row (a pass over 2-5 tokens costs ~1.1 one) need not pay in a batch of 8,
+    whose pass already feeds 8 tokens: auto prices each row's draft by what it adds to the step's pass."""
+    params = SamplingParams(max_tokens=30)
+    ref = run(tiny_target, None, [PROMPTS[0]], params)[0]
+    full = list(PROMPTS[0]) + ref.output_ids
+    alone = AutoDrafter({"half": HalfRight(full)}, zen5)
+    s = run(tiny_target, alone, [PROMPTS[0]], params, gamma=4)[0]
+    assert s.output_ids == ref.output_ids
+    assert alone.chosen["half"] > 2 * alone.chosen[NONE]  # one row: drafting pays
+    batch = AutoDrafter({"half": HalfRight(full)}, zen5)
+    out = run(tiny_target, batch, [PROMPTS[0]] * 8, params, gamma=4, rows=8)
+    assert all(x.output_ids == ref.output_ids for x in out)
+    assert batch.chosen[NONE] > 2 * batch.chosen["half"]  # eight rows: mostly not
+
+
 def test_requests_share_what_earlier_ones_learned(tiny_target):
     """A new request starts from the acceptance pooled over earlier ones (not from the prior)."""
     auto = AutoDrafter({"bad": Fixed(token=0)}, lambda T: 1.0 + 0.25 * (T - 1), prior_alpha=0.9)

@@ -108,6 +108,8 @@ def test_engine_keeps_freed_rows_while_busy_and_gives_them_back_when_idle(tiny_d
             async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as c:
                 body = {"model": MODEL, "prompt": "hello world", "temperature": 0, "ignore_eos": True}
                 long = asyncio.ensure_future(c.post("/v1/completions", json={**body, "max_tokens": 240}))
+                while engine.batch_size < 1 and not long.done():  # the long request is running
+                    await asyncio.sleep(0.005)
                 short = await c.post("/v1/completions", json={**body, "max_tokens": 4})
                 busy = engine.batch_size  # the long request still running
                 released_while_busy = released()
@@ -120,6 +122,28 @@ def test_engine_keeps_freed_rows_while_busy_and_gives_them_back_when_idle(tiny_d
         assert released_while_busy == 0
         wait_for(lambda: engine.snapshot()["requests"] == 0 and engine._used_rows == 0)
     assert released() > 0
+
+
+def test_engine_collects_reference_cycles_when_it_goes_idle(tiny_dw):
+    # a tensor only a reference cycle holds (a request's task, frame or error) is freed by a full
+    # collection; with automatic collection off, the engine's own (on going idle) must be the one
+    import gc
+    import weakref
+
+    engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, max_model_len=256, max_batch=2))
+    gc.disable()
+    try:
+        cycle: list = [torch.zeros(1024)]
+        cycle.append(cycle)
+        held = weakref.ref(cycle[0])
+        del cycle
+        assert held() is not None
+        with BackgroundServer(engine, MODEL) as srv:
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+            assert httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+            wait_for(lambda: held() is None, what="the idle engine's collection")
+    finally:
+        gc.enable()
 
 
 def test_suffix_store_is_bounded_and_exported(tiny_dw):

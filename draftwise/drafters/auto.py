@@ -15,12 +15,19 @@ Children are ordinary drafters behind the same protocol, of two kinds:
   filled the first time it is chosen); a draft head (``Needs.state_from_target``) at once, as its context is the
   target's states the loop gives at the prefill.
 
-The choice, per sequence and step, over options o = (child, depth j) and "none":
+The choice, per sequence and step, over options o = (child, depth j) and "none", for the whole step's
+rate: the B rows of a batch share one target pass over every row's fed tokens, so a row's draft costs
+what it adds to that pass. Rows choose in turn; ``done`` and ``fed`` are the tokens the step is expected
+to yield and the tokens it feeds with the choices made so far (each row counted with its own 1 token):
 
-    rate(o) = (1 + A_o(j)) / (C(T_o) + j · c_child)        A(j) = Σ_{l=1..j} α^l
-    rate(none) = 1 / C(1)
+    rate(o) = (done + A_o(j)) / (C(fed + n_o) + j · c_child)        A(j) = Σ_{l=1..j} α^l
+    rate(none) = done / C(fed)
 
-C(T) is the measured batch-1 target pass over T new tokens (T = 1 + the nodes fed), c_child a costly
+and the chosen option adds A_o(j) to ``done`` and its n_o nodes to ``fed``. With one row (done = fed = 1)
+this is (1 + A(j)) / C(1 + n) against 1 / C(1). In a batch the first tokens of a pass are cheap per token
+(a decode step of 8 rows costs ~1.4 single ones), so the same draft that pays alone need not pay in a
+full batch: a server under load drafts less, by the same rule. C(T) is the measured target pass over T
+new tokens (T = 1 + the nodes fed), c_child a costly
 child's seconds per drafted token, α the child's decayed acceptance: accepted positions / positions tried
 (up to the first miss; positions past the emitted tokens are unknown and not counted). On a CPU where
 verifying k tokens costs nearly k passes (AVX2), "none" wins unless acceptance is high; where a pass over
@@ -154,10 +161,12 @@ class AutoDrafter:
                 proposals[name] = self.children[name].propose(seqs, ks)
         drafts: list[Draft] = []
         want: dict[str, list[int]] = {n: [0] * len(seqs) for n in self.costly}
+        done, fed = float(len(seqs)), len(seqs)  # the step so far: expected tokens, tokens fed (1 per row)
         for i, (s, k) in enumerate(zip(seqs, ks)):
             st: _State = s.drafter_state
             st.proposals = {n: proposals[n][i] for n in self.free}
-            name, depth = self._choose(st, k)
+            name, depth, gain, nodes = self._choose(st, k, done, fed)
+            done, fed = done + gain, fed + nodes
             st.chosen = name
             self.chosen[name] += 1
             s.stats.choices[name] = s.stats.choices.get(name, 0) + 1
@@ -184,8 +193,10 @@ class AutoDrafter:
                 seqs[i].drafter_state.proposals[name] = made[i]
         return drafts
 
-    def _choose(self, st: _State, k: int) -> tuple[str, int]:
-        best, best_rate = (NONE, 0), 1.0 / self.pass_cost(1)
+    def _choose(self, st: _State, k: int, done: float = 1.0, fed: int = 1) -> tuple[str, int, float, int]:
+        """(child or NONE, depth, expected accepted tokens, nodes fed) maximising the step's rate, given the
+        tokens ``done`` and ``fed`` by the rows that chose before (see the module docstring)."""
+        best, best_rate = (NONE, 0, 0.0, 0), done / self.pass_cost(fed)
         if k <= 0:
             return best
         for name in self.free:
@@ -196,18 +207,19 @@ class AutoDrafter:
             depths = d.depths()
             for j in range(1, min(k, max(depths)) + 1):
                 nodes = sum(1 for x in depths[:self.max_nodes] if x <= j)
-                rate = (1.0 + expected_accepted(alpha, j)) / self.pass_cost(1 + nodes)
+                gain = expected_accepted(alpha, j)
+                rate = (done + gain) / self.pass_cost(fed + nodes)
                 if rate > best_rate:
-                    best, best_rate = (name, j), rate
+                    best, best_rate = (name, j, gain, nodes), rate
         for name in self.costly:
             arm = st.arms[name]
             width = getattr(self.children[name], "branches", 1)
             for j in range(1, k + 1):
                 nodes = min(j * width, self.max_nodes)
-                rate = (1.0 + arm.pi * expected_accepted(arm.alpha, j)) / (
-                    self.pass_cost(1 + nodes) + j * self.draft_cost[name])
+                gain = arm.pi * expected_accepted(arm.alpha, j)
+                rate = (done + gain) / (self.pass_cost(fed + nodes) + j * self.draft_cost[name])
                 if rate > best_rate:
-                    best, best_rate = (name, j), rate
+                    best, best_rate = (name, j, gain, nodes), rate
         return best
 
     def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,

@@ -21,8 +21,10 @@ what it uses, and ``kv_cache_mb`` stays the upper bound. While requests keep com
 left keeps its pages for the next one (the reserved rows are the bound: the resident set stays flat
 under steady load instead of giving pages back and faulting them in again every few steps); when the
 engine goes idle every row written since is given back to the OS (``KVCache.release_rows``), so an idle
-server returns to its warm footprint, not the longest answers seen. Going idle (and every
-``TRIM_EVERY_S`` under unbroken load) also trims malloc's free lists (``memory.trim_heap``). When every row is busy requests wait;
+server returns to its warm footprint, not the longest answers seen. Going idle also runs a full garbage
+collection (objects requests left in reference cycles, and the tensors they hold, would otherwise wait
+for Python's rare full collections), and then (and every ``TRIM_EVERY_S`` under unbroken load) trims
+malloc's free lists (``memory.trim_heap``). When every row is busy requests wait;
 when ``max_queue`` are waiting ``submit`` refuses (``EngineFullError``, HTTP 503). Every structure that
 outlives a request is bounded: the waiting queue (``max_queue``), the request table (rows + queue), the
 suffix drafter's store (``SuffixCache.max_tokens``), the metrics window (10 s); /metrics exports their
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -422,7 +425,8 @@ class Engine:
                 if not self._trimmed and not self.decoder.running and not self._waiting:
                     self._trimmed = True  # going idle: the rows' pages and what activations freed go back
                     self._release_rows()
-                    self._trim()
+                    gc.collect()  # what requests left in reference cycles (tasks, frames, errors) and the
+                    self._trim()  # tensors those hold: else only a rare full collection frees them
                 elif time.monotonic() - self._trimmed_at > TRIM_EVERY_S:  # busy for long: trim between steps
                     self._trim()
                 with self._lock:
