@@ -217,6 +217,9 @@ def soft_labels(logits: torch.Tensor, k: int = SOFT_K) -> tuple[torch.Tensor, to
     return top.indices.to(torch.int32), top.values.to(torch.float16)
 
 
+_KEYS = ("hidden", "taps", "soft_ids", "soft_logp")  # per-position tensors, one (1, ...) row per position
+
+
 @torch.inference_mode()
 def generate_features(model, tokenizer, seconds: float, max_positions: int, *, record: int = 256, rows: int = 16,
                       seed: int = 0, progress=None, prompts: Iterator[tuple[str, bool]] | None = None
@@ -229,73 +232,91 @@ def generate_features(model, tokenizer, seconds: float, max_positions: int, *, r
     top next tokens and their log-probabilities}. A record is a prompt (at most record/2 tokens) and the
     target's greedy continuation up to its end of sequence or the record's end; labels[t] is the argmax of
     the target's logits at t, so along the answer labels[t] == tokens[t + 1]."""
-    prompts = prompts if prompts is not None else seed_prompts(seed)
-    eos = getattr(tokenizer, "eos_ids", frozenset())
-    cache = model.new_cache(rows, record)
-    D = model.config.hidden_size
-    taps = feature_taps(model.config.num_layers)
-    live: list[dict | None] = [None] * rows
-    done: list[dict] = []
-    n, t0 = 0, time.perf_counter()
-    KEYS = ("hidden", "taps", "soft_ids", "soft_logp")  # per-position tensors, one (1, ...) row per position
+    gen = _Answers(model, tokenizer, prompts if prompts is not None else seed_prompts(seed), record, rows)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds and gen.n < max_positions:
+        for i in range(rows):
+            if gen.live[i] is None:
+                gen.fill(i)
+        if any(st is None for st in gen.live):  # a prompt answered by its end of sequence at once
+            continue
+        gen.step()
+        if progress is not None:
+            progress(gen.n + sum(len(st["hidden"]) for st in gen.live if st), time.perf_counter() - t0)
+    for i in range(rows):
+        gen.finish(i)
+    if not gen.done:
+        from .errors import InvalidParameterError
+        raise InvalidParameterError("no self-generated features: the budget is too small")
+    return _pack(gen.done, record, model.config.hidden_size, len(gen.taps))
 
-    def finish(i: int) -> None:
-        nonlocal n
-        st = live[i]
-        live[i] = None
+
+class _Answers:
+    """``rows`` cache rows, each answering one seed prompt greedily (one batched forward per token), the
+    per-position features of each answer recorded until its end of sequence or ``record`` tokens."""
+
+    def __init__(self, model, tokenizer, prompts: Iterator[tuple[str, bool]], record: int, rows: int):
+        self.model, self.tokenizer, self.prompts, self.record = model, tokenizer, prompts, record
+        self.eos = getattr(tokenizer, "eos_ids", frozenset())
+        self.cache = model.new_cache(rows, record)
+        self.taps = feature_taps(model.config.num_layers)
+        self.live: list[dict | None] = [None] * rows  # per row: tokens, labels and the _KEYS lists
+        self.done: list[dict] = []  # finished records
+        self.n = 0  # positions in them
+
+    def finish(self, i: int) -> None:
+        """Row i's answer so far becomes a record; the row is free."""
+        st = self.live[i]
+        self.live[i] = None
         if st is not None and st["tokens"]:
             L = len(st["hidden"])
-            done.append({"tokens": st["tokens"][:L], "labels": st["labels"][:L],
-                         **{key: torch.cat(st[key]) for key in KEYS}})
-            n += L
+            self.done.append({"tokens": st["tokens"][:L], "labels": st["labels"][:L],
+                              **{key: torch.cat(st[key]) for key in _KEYS}})
+            self.n += L
 
-    def record_rows(st: dict, out, row: int, sl: slice) -> None:
+    @staticmethod
+    def _record_rows(st: dict, out, row: int, sl: slice) -> None:
         ids, logp = soft_labels(out.logits[row, sl])
         for key, t in (("hidden", out.hidden[row, sl].to(torch.bfloat16)),
                        ("taps", out.taps[row, sl].to(torch.bfloat16)), ("soft_ids", ids), ("soft_logp", logp)):
             st[key].extend(t.split(1))
 
-    def fill(i: int) -> None:
+    def fill(self, i: int) -> None:
+        """Row i takes the next prompt of 4 to record/2 tokens: its prefill, recorded, and the first token."""
         while True:
-            text, chat = next(prompts)
-            ids = _encode(tokenizer, text, chat)
-            if 4 <= len(ids) <= record // 2:
+            text, chat = next(self.prompts)
+            ids = _encode(self.tokenizer, text, chat)
+            if 4 <= len(ids) <= self.record // 2:
                 break
-        view = cache.view(slice(i, i + 1))
+        view = self.cache.view(slice(i, i + 1))
         view.reset()
-        out = model.forward(torch.tensor([ids]), view, logits_for="all", taps=taps)  # hidden (1, P, D)
+        out = self.model.forward(torch.tensor([ids]), view, logits_for="all", taps=self.taps)  # hidden (1, P, D)
         labels = out.logits[0].argmax(-1).tolist()
-        live[i] = {"tokens": ids + [labels[-1]], "labels": labels, **{key: [] for key in KEYS}}
-        record_rows(live[i], out, 0, slice(None))
-        if labels[-1] in eos:
-            finish(i)
+        self.live[i] = {"tokens": ids + [labels[-1]], "labels": labels, **{key: [] for key in _KEYS}}
+        self._record_rows(self.live[i], out, 0, slice(None))
+        if labels[-1] in self.eos:
+            self.finish(i)
 
-    while time.perf_counter() - t0 < seconds and n < max_positions:
-        for i in range(rows):
-            if live[i] is None:
-                fill(i)
-        if any(st is None for st in live):  # a prompt answered by its end of sequence at once
-            continue
-        x = torch.tensor([[st["tokens"][-1]] for st in live])  # (rows, 1)
-        out = model.forward(x, cache.view(slice(0, rows)), logits_for="all", taps=taps)  # (rows, 1, V)
+    def step(self) -> None:
+        """One greedy token on every row (all live), recorded; rows at their end finish."""
+        rows = len(self.live)
+        x = torch.tensor([[st["tokens"][-1]] for st in self.live])  # (rows, 1)
+        out = self.model.forward(x, self.cache.view(slice(0, rows)), logits_for="all", taps=self.taps)  # (rows, 1, V)
         nxt = out.logits[:, -1].argmax(-1).tolist()
-        for i, st in enumerate(live):
-            record_rows(st, out, i, slice(-1, None))
+        for i, st in enumerate(self.live):
+            self._record_rows(st, out, i, slice(-1, None))
             st["labels"].append(nxt[i])
             st["tokens"].append(nxt[i])
-            if nxt[i] in eos or len(st["hidden"]) >= record:
-                finish(i)
-        if progress is not None:
-            progress(n + sum(len(st["hidden"]) for st in live if st), time.perf_counter() - t0)
-    for i in range(rows):
-        finish(i)
-    if not done:
-        from .errors import InvalidParameterError
-        raise InvalidParameterError("no self-generated features: the budget is too small")
+            if nxt[i] in self.eos or len(st["hidden"]) >= self.record:
+                self.finish(i)
+
+
+def _pack(done: list[dict], record: int, D: int, ntaps: int) -> dict[str, torch.Tensor]:
+    """The records, each padded to ``record`` positions (labels -1, valid False), one after the other."""
     N = len(done) * record
     f = {"hidden": torch.zeros(N, D, dtype=torch.bfloat16), "labels": torch.full((N,), -1, dtype=torch.long),
          "tokens": torch.zeros(N, dtype=torch.long), "valid": torch.zeros(N, dtype=torch.bool),
-         "taps": torch.zeros(N, len(taps), D, dtype=torch.bfloat16),
+         "taps": torch.zeros(N, ntaps, D, dtype=torch.bfloat16),
          "soft_ids": torch.full((N, SOFT_K), -1, dtype=torch.int32),
          "soft_logp": torch.full((N, SOFT_K), float("-inf"), dtype=torch.float16)}
     for k, d in enumerate(done):
@@ -303,7 +324,7 @@ def generate_features(model, tokenizer, seconds: float, max_positions: int, *, r
         f["labels"][s:s + L] = torch.tensor(d["labels"])
         f["tokens"][s:s + L] = torch.tensor(d["tokens"])
         f["valid"][s:s + L] = True
-        for key in KEYS:
+        for key in _KEYS:
             f[key][s:s + L] = d[key]
     return f
 

@@ -5,7 +5,7 @@
 | `DRAFTWISE_HOME`              | models, heads, layerskip, kernels | cache folder (default `~/.cache/draftwise`)                |
 | `DRAFTWISE_API_KEY`           | `draftwise serve`                | default of `--api-key` (unset: no key)                     |
 | `DRAFTWISE_KEEP_CONVERTED`    | model loading                    | `1`: keep a converted safetensors copy of a GGUF; `0`: do not. Unset: a single process keeps none, `serve --replicas` keeps one (the replicas share its pages) |
-| `DRAFTWISE_ISA`               | kernels (Python and C++)         | force a kernel path (`scalar`, `avx2`, ...; `auto`)        |
+| `DRAFTWISE_ISA`               | kernels                          | force a kernel path (`scalar`, `avx2`, ...; `auto`)        |
 | `DRAFTWISE_NO_KERNELS`        | kernels                          | `1`: do not build / use the C++ kernel (torch ops only)    |
 | `DRAFTWISE_PREFILL`           | kernels                          | `gemm` or `kernel`: force how long prefills run            |
 | `DRAFTWISE_EXACT_ACTIVATIONS` | kernels                          | `1`: fp32 activations for quantized weights (not int8)     |
@@ -15,8 +15,8 @@
 ``--peers``) and ``DRAFTWISE_PEERS_REBUILD=1`` (rebuild llama-cpp-python).
 
 Each accessor reads the environment when called (not at import), so a variable set after ``import
-draftwise`` (a test's ``monkeypatch.setenv``) takes effect; the C++ kernel reads ``DRAFTWISE_ISA`` at its
-load too, and the Python side reports a value it cannot use.
+draftwise`` (a test's ``monkeypatch.setenv``) takes effect. The C++ kernel reads no variable: Python applies
+``DRAFTWISE_ISA`` when it loads the kernel (``kernels.extension``) and reports a value it cannot use.
 
 One process-wide default is set here as well (``openmp_spin_default``): see its docstring.
 """

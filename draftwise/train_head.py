@@ -241,7 +241,6 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
     target's top-k distribution beside its greedy token in the token loss. The learning rate warms up and
     decays by a cosine over the training time. Returns the trained heads."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-    from safetensors.torch import load_file, save_file
 
     if kind not in KINDS:
         raise InvalidParameterError(f"unknown head kind {kind!r}; choose one of {', '.join(KINDS)}")
@@ -250,7 +249,6 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
     eagle = kind == "eagle"
     corpus = list(corpus or [SELF])
     corpus_files(corpus)  # a bad or benchmark path is an error before any work
-    corpus_name = ", ".join(corpus)
     batch = batch or (8 if eagle else 256)  # eagle: windows of _EagleData.WINDOW positions; medusa: positions
     lr = lr or (3e-3 if eagle else 1e-3)
     out.mkdir(parents=True, exist_ok=True)
@@ -260,68 +258,102 @@ def train_heads(model, tokenizer, *, kind: str = "medusa", target_name: str, tar
     D = cfg_m.hidden_size
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                   TimeRemainingColumn(), disable=not bar, transient=False) as prog:
-        feat_file = out / FEATURES
-        f = load_file(str(feat_file)) if feat_file.is_file() else None
-        if f is not None and ("soft_ids" not in f or f["hidden"].shape[1] != D):
-            log(f"train-head: {feat_file} holds features of another model or an older version; collecting anew")
-            f = None
-        if f is not None:
-            log(f"train-head: reusing {int(f['valid'].sum())} positions of features from {feat_file}")
-        else:
-            f = gather_features(model, tokenizer, corpus, budget * FEATURE_SHARE, max_positions, prog)
-            save_file(f, str(feat_file))
+        f = _load_or_gather_features(model, tokenizer, out / FEATURES, corpus, budget * FEATURE_SHARE, max_positions,
+                                     prog, log)
         hidden, labels, valid = f["hidden"], f["labels"], f["valid"]
         chunk_ids = torch.arange(hidden.shape[0]) // CHUNK
-        vocab = torch.bincount(labels[labels >= 0], minlength=cfg_m.vocab_size).topk(
-            min(vocab_size, cfg_m.vocab_size)).indices.sort().values
-        to_draft = torch.full((cfg_m.vocab_size,), -1, dtype=torch.long)
-        to_draft[vocab] = torch.arange(len(vocab))
+        vocab, to_draft = _draft_vocabulary(labels, vocab_size, cfg_m.vocab_size)
         taps = feature_taps(cfg_m.num_layers) if eagle and fuse else ()
         arch = eagle_arch(D, cfg_m.head_dim, cfg_m.rope_theta, cfg_m.rms_eps, taps=taps) if eagle else {}
         cfg = HeadConfig(kind, num_heads, D, vocab.tolist(), target_name, target_sha, arch=arch)
-        if (out / "config.json").is_file():
-            heads = load_heads(out, target_sha)
-            if heads.cfg.kind != kind or heads.cfg.vocab != cfg.vocab or heads.cfg.num_heads != num_heads \
-                    or heads.cfg.arch.get("taps", []) != cfg.arch.get("taps", []):
-                raise InvalidParameterError(f"{out} holds heads of another kind or shape (vocabulary, depths, fused "
-                                            f"layers: --no-fuse); use a new --out")
-            log(f"train-head: resuming the heads in {out}")
-        else:
-            heads = new_head(cfg)
-            with torch.no_grad():
-                heads.out.weight.copy_(output_rows(model.lm_head, vocab))
-                if eagle:  # the features' scale, so that the head starts as the identity on them
-                    heads.norm_f.fill_(float(hidden[valid][:4096].float().pow(2).mean().sqrt()))
+        heads = _resume_or_new_heads(model, out, cfg, hidden, valid, log)
         heads.out.requires_grad_(False)  # the target's own head, restricted: the rest learns
         task_data = (_EagleData if eagle else _MedusaData)(model, f, chunk_ids, to_draft, num_heads, soft)
-        opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-        g = torch.Generator().manual_seed(0)
-        left = budget - (time.perf_counter() - t_start)
-        task = prog.add_task("training", total=max(left, 1.0), info="")
-        t0 = last_ckpt = time.perf_counter()
-        steps, loss_ema = int(heads.cfg.trained.get("steps", 0)), None
-        steps0 = steps
-        ckpt = lambda: _checkpoint(heads, out, steps, int(valid.sum()), minutes, corpus_name,  # noqa: E731
-                                   task_data)
-        while time.perf_counter() - t_start < budget:
-            for group in opt.param_groups:
-                group["lr"] = lr * lr_factor(steps - steps0, (time.perf_counter() - t0) / max(left, 1.0))
-            loss = task_data.loss(heads, task_data.sample(batch, g))
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in heads.parameters() if p.requires_grad], 1.0)
-            opt.step()
-            steps += 1
-            lv = float(loss.detach())
-            loss_ema = lv if loss_ema is None else 0.95 * loss_ema + 0.05 * lv
-            prog.update(task, completed=time.perf_counter() - t0, info=f"step {steps} loss {loss_ema:.3f}")
-            if time.perf_counter() - last_ckpt > 60:
-                ckpt()
-                last_ckpt = time.perf_counter()
-        acc = ckpt()
+
+        def checkpoint(steps: int) -> list[float]:
+            return _checkpoint(heads, out, steps, int(valid.sum()), minutes, ", ".join(corpus), task_data)
+
+        steps, acc = _train(heads, task_data, batch, lr, t_start + budget, prog, checkpoint)
     log(f"train-head: {steps} steps on {int(valid.sum())} positions; held-out top-1 accuracy per "
         f"{'depth' if eagle else 'head'}: " + ", ".join(f"{a:.3f}" for a in acc) + f"; wrote {out}")
     return heads
+
+
+def _load_or_gather_features(model, tokenizer, feat_file: Path, corpus: list[str], seconds: float, max_positions: int,
+                             prog, log) -> dict[str, torch.Tensor]:
+    """The features saved in ``feat_file`` when they are this model's and this version's, else new ones
+    (``gather_features``), saved there."""
+    from safetensors.torch import load_file, save_file
+
+    f = load_file(str(feat_file)) if feat_file.is_file() else None
+    if f is not None and ("soft_ids" not in f or f["hidden"].shape[1] != model.config.hidden_size):
+        log(f"train-head: {feat_file} holds features of another model or an older version; collecting anew")
+        f = None
+    if f is not None:
+        log(f"train-head: reusing {int(f['valid'].sum())} positions of features from {feat_file}")
+    else:
+        f = gather_features(model, tokenizer, corpus, seconds, max_positions, prog)
+        save_file(f, str(feat_file))
+    return f
+
+
+def _draft_vocabulary(labels: torch.Tensor, size: int, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The heads' vocabulary: the ``size`` target tokens most often next in the features (sorted ids), and
+    the map target id -> draft id (-1 outside it)."""
+    vocab = torch.bincount(labels[labels >= 0], minlength=target_vocab).topk(min(size, target_vocab)).indices.sort().values
+    to_draft = torch.full((target_vocab,), -1, dtype=torch.long)
+    to_draft[vocab] = torch.arange(len(vocab))
+    return vocab, to_draft
+
+
+def _resume_or_new_heads(model, out: Path, cfg: HeadConfig, hidden: torch.Tensor, valid: torch.Tensor, log):
+    """The heads saved in ``out`` (which must have ``cfg``'s kind and shape), else new ones whose output
+    layer is the target's LM head restricted to the draft vocabulary (eagle: the norm starts at the
+    features' scale, so the head starts as the identity on them)."""
+    if (out / "config.json").is_file():
+        heads = load_heads(out, cfg.target_sha256)
+        if heads.cfg.kind != cfg.kind or heads.cfg.vocab != cfg.vocab or heads.cfg.num_heads != cfg.num_heads \
+                or heads.cfg.arch.get("taps", []) != cfg.arch.get("taps", []):
+            raise InvalidParameterError(f"{out} holds heads of another kind or shape (vocabulary, depths, fused "
+                                        f"layers: --no-fuse); use a new --out")
+        log(f"train-head: resuming the heads in {out}")
+        return heads
+    heads = new_head(cfg)
+    with torch.no_grad():
+        heads.out.weight.copy_(output_rows(model.lm_head, torch.tensor(cfg.vocab)))
+        if cfg.kind == "eagle":
+            heads.norm_f.fill_(float(hidden[valid][:4096].float().pow(2).mean().sqrt()))
+    return heads
+
+
+def _train(heads, task_data, batch: int, lr: float, deadline: float, prog, checkpoint) -> tuple[int, list[float]]:
+    """AdamW on the heads' trainable parameters until ``deadline`` (perf_counter), the learning rate warmed
+    up and decayed over the time left (``lr_factor``), a checkpoint each minute and at the end. Returns the
+    total steps (a resumed run counts on) and the last checkpoint's held-out accuracies."""
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(0)
+    left = deadline - time.perf_counter()
+    task = prog.add_task("training", total=max(left, 1.0), info="")
+    t0 = last_ckpt = time.perf_counter()
+    steps, loss_ema = int(heads.cfg.trained.get("steps", 0)), None
+    steps0 = steps
+    while time.perf_counter() < deadline:
+        for group in opt.param_groups:
+            group["lr"] = lr * lr_factor(steps - steps0, (time.perf_counter() - t0) / max(left, 1.0))
+        loss = task_data.loss(heads, task_data.sample(batch, g))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        steps += 1
+        lv = float(loss.detach())
+        loss_ema = lv if loss_ema is None else 0.95 * loss_ema + 0.05 * lv
+        prog.update(task, completed=time.perf_counter() - t0, info=f"step {steps} loss {loss_ema:.3f}")
+        if time.perf_counter() - last_ckpt > 60:
+            checkpoint(steps)
+            last_ckpt = time.perf_counter()
+    return steps, checkpoint(steps)
 
 
 def train_medusa(model, tokenizer, **kw):

@@ -34,10 +34,25 @@ def test_only_settings_reads_draftwise_variables():
     assert not bad, "read the environment through draftwise.settings:\n" + "\n".join(bad)
 
 
+def _kernel_sources():
+    from draftwise.kernels import kernel_files
+
+    return kernel_files()  # every .cpp / .h / .inc / .def under kernels/csrc
+
+
+def test_the_kernel_reads_no_environment():
+    """The C++ kernel takes its settings from Python (DRAFTWISE_ISA: kernels.extension -> set_isa), so no
+    variable is read in two languages."""
+    bad = [f"{p.relative_to(PKG).as_posix()}:{n}: {line.strip()}" for p in _kernel_sources()
+           for n, line in enumerate(p.read_text().splitlines(), 1)
+           if re.search(r"\b(secure_)?getenv\s*\(|\benviron\b", line)]
+    assert _kernel_sources() and not bad, bad
+
+
 def test_settings_names_every_variable_the_sources_mention():
     """Every DRAFTWISE_* name in the package (docstrings, help, C++) is one settings.py documents."""
     names = set()
-    for p in [*PKG.rglob("*.py"), *PKG.rglob("*.cpp"), *PKG.rglob("*.h")]:
+    for p in [*PKG.rglob("*.py"), *_kernel_sources()]:
         names |= set(re.findall(r"DRAFTWISE_[A-Z_]+[A-Z]", p.read_text()))
     known = {*settings.VARIABLES, *settings.INSTALL_VARIABLES}
     assert names <= known, names - known
@@ -109,3 +124,17 @@ def test_models_hf_and_seq2seq_import_no_circle():
     g = import_graph()
     assert "draftwise.models.hf" not in g["draftwise.models.seq2seq"]
     assert "draftwise.models.hf_common" in g["draftwise.models.seq2seq"]
+
+
+def test_shared_helpers_are_defined_once():
+    """One expected-accepted-length formula, one acceptance estimator, one file hash: each defined in one
+    module (gamma and auto share acceptance.py; every file hash goes through digest.py)."""
+    defs: dict[str, list[str]] = {}
+    for p in _sources():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defs.setdefault(node.name.lstrip("_").lower(), []).append(p.relative_to(PKG).as_posix())
+    assert defs["expected_accepted"] == ["acceptance.py"]
+    assert defs["acceptance"] == ["acceptance.py"]
+    assert defs["sha256_file"] == ["digest.py"]
+    assert not [n for n in defs if "expected_accept" in n and n != "expected_accepted"]

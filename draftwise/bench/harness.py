@@ -223,75 +223,20 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
         raise InvalidParameterError(f"--max-tokens must be >= 1, got {cfg.max_tokens}")
     cfg.gamma = parse_gamma(cfg.gamma)
     methods = cfg.methods = parse_methods(",".join(cfg.methods))
-    if any(registry.get(m).heads for m in methods if registry.find(m)):  # heads: --heads or the target's default; fail before any run
-        from ..heads import resolve_heads, target_identity
-        from ..models.registry import resolve
-
-        src = resolve(cfg.target, progress)
-        sha = target_identity(src)
-        for m in methods:
-            if registry.find(m) and registry.get(m).heads:
-                resolve_heads(cfg.heads, registry.get(m).heads, src, sha, cfg.target)
-    if BEAM in methods:  # greedy only: fail before loading anything
-        from ..beam import check_beam_params
-        from ..sampling import SamplingParams
-
-        check_beam_params(SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens), cfg.num_beams,
-                          cfg.length_penalty)
-    if llama := [m for m in methods if m in LLAMA_PEERS]:
-        require_llama_cpp(llama)  # fail before loading anything
+    _check_before_loading(cfg, methods, progress)
     path, prompts = load_prompts(cfg.prompts, cfg.categories, cfg.limit)  # fail before loading models
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
     log(f"loading models for {', '.join(methods)} ...")
     runner = Runner(cfg, progress)
-    max_context = runner.dw.target.config.max_context
-    work, skipped = [], []
-    for p in prompts:
-        ids = runner.encode(p)
-        if len(ids) + cfg.max_tokens > max_context:
-            skipped.append({"question_id": p.question_id, "category": p.category,
-                            "reason": f"prompt {len(ids)} + max_tokens {cfg.max_tokens} tokens > context "
-                                      f"{max_context}"})
-        else:
-            work.append((p, ids))
-    if not work:
-        raise InvalidParameterError("no prompt fits the model's context with this --max-tokens")
+    work, skipped = _fitting_prompts(runner, prompts, cfg.max_tokens)
     runner.prepare(max(len(ids) for _, ids in work))
-
     bw = None
     if cfg.bandwidth_gib > 0:
         log("measuring memory bandwidth ...")
         bw = measure_bandwidth(cfg.bandwidth_gib)
 
-    per_prompt: list[dict] = []
-    interrupted = False
-    with _progress(progress) as bar:
-        task = bar.add_task("warm-up", total=len(methods) * (len(work) + 1))
-        for m in methods:  # warm-up: one short generation per method, not timed
-            bar.update(task, description=f"warm-up {m}")
-            runner.run(m, work[0][1], max_tokens=min(cfg.warmup_tokens, cfg.max_tokens))
-            bar.advance(task)
-        runner.dw.suffix_cache.clear()  # the warm-up's output must not draft the first prompt's timed run
-        try:
-            for i, (p, ids) in enumerate(work):
-                order = methods[i % len(methods):] + methods[:i % len(methods)]
-                runs = {}
-                with runner.dw.suffix_cache.deferred():  # suffix drafts from earlier prompts, not this one's
-                    for m in order:                      # output by another method
-                        bar.update(task, description=f"{p.category}:{p.question_id} {m}")
-                        runs[m] = runner.run(m, ids)
-                        bar.advance(task)
-                per_prompt.append({"question_id": p.question_id, "category": p.category,
-                                   "subcategory": p.subcategory, "prompt_tokens": len(ids), "order": order,
-                                   "runs": {m: runs[m] for m in methods}})
-                if progress:  # one line per prompt (above the bar; the only output when stderr is a file)
-                    bar.console.print(f"{i + 1}/{len(work)} {p.category}:{p.question_id} tok/s " + " ".join(
-                        f"{m} {runs[m]['tokens_per_s']:.2f}" for m in methods), highlight=False)
-        except KeyboardInterrupt:  # a long run stopped early still reports the prompts it finished
-            if not per_prompt:
-                raise
-            interrupted = True
+    per_prompt, interrupted = _timed_runs(runner, methods, work, cfg.warmup_tokens, progress)
 
     # greedy: every method is checked against `ar` (peers also against their own plain decoding); seeded
     # sampling: draftwise's methods still equal `ar` token for token (position-keyed draws), peers not
@@ -323,6 +268,82 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> dict:
                                       torch.get_num_threads(), log)
     return {"methods": agg, "config": config, "roofline": rf, "footprint": footprint, "mismatches": mismatches,
             "skipped": skipped, "per_prompt": per_prompt}
+
+
+def _check_before_loading(cfg: BenchConfig, methods: list[str], progress: bool) -> None:
+    """Refuse a run that would fail part-way, before any model is loaded: a heads method without heads for
+    this target, beam search with sampling, a llama.cpp peer without llama.cpp."""
+    if any(registry.get(m).heads for m in methods if registry.find(m)):  # heads: --heads or the target's default
+        from ..heads import resolve_heads, target_identity
+        from ..models.registry import resolve
+
+        src = resolve(cfg.target, progress)
+        sha = target_identity(src)
+        for m in methods:
+            if registry.find(m) and registry.get(m).heads:
+                resolve_heads(cfg.heads, registry.get(m).heads, src, sha, cfg.target)
+    if BEAM in methods:  # greedy only
+        from ..beam import check_beam_params
+        from ..sampling import SamplingParams
+
+        check_beam_params(SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens), cfg.num_beams,
+                          cfg.length_penalty)
+    if llama := [m for m in methods if m in LLAMA_PEERS]:
+        require_llama_cpp(llama)
+
+
+def _fitting_prompts(runner: Runner, prompts: list[Prompt], max_tokens: int) -> tuple[list, list[dict]]:
+    """The prompts, tokenized, that fit the target's context with ``max_tokens`` more ((prompt, ids) pairs),
+    and a record of each one skipped; none fitting is an error."""
+    max_context = runner.dw.target.config.max_context
+    work, skipped = [], []
+    for p in prompts:
+        ids = runner.encode(p)
+        if len(ids) + max_tokens > max_context:
+            skipped.append({"question_id": p.question_id, "category": p.category,
+                            "reason": f"prompt {len(ids)} + max_tokens {max_tokens} tokens > context "
+                                      f"{max_context}"})
+        else:
+            work.append((p, ids))
+    if not work:
+        raise InvalidParameterError("no prompt fits the model's context with this --max-tokens")
+    return work, skipped
+
+
+def _timed_runs(runner: Runner, methods: list[str], work: list, warmup_tokens: int,
+                progress: bool) -> tuple[list[dict], bool]:
+    """One untimed warm-up generation per method, then every method on every prompt, interleaved per prompt
+    with the order rotated. Returns the per-prompt records and whether Ctrl-C stopped the run early (the
+    prompts finished by then are kept)."""
+    per_prompt: list[dict] = []
+    interrupted = False
+    with _progress(progress) as bar:
+        task = bar.add_task("warm-up", total=len(methods) * (len(work) + 1))
+        for m in methods:  # warm-up: one short generation per method, not timed
+            bar.update(task, description=f"warm-up {m}")
+            runner.run(m, work[0][1], max_tokens=min(warmup_tokens, runner.cfg.max_tokens))
+            bar.advance(task)
+        runner.dw.suffix_cache.clear()  # the warm-up's output must not draft the first prompt's timed run
+        try:
+            for i, (p, ids) in enumerate(work):
+                order = methods[i % len(methods):] + methods[:i % len(methods)]
+                runs = {}
+                with runner.dw.suffix_cache.deferred():  # suffix drafts from earlier prompts, not this one's
+                    for m in order:                      # output by another method
+                        bar.update(task, description=f"{p.category}:{p.question_id} {m}")
+                        runs[m] = runner.run(m, ids)
+                        bar.advance(task)
+                per_prompt.append({"question_id": p.question_id, "category": p.category,
+                                   "subcategory": p.subcategory, "prompt_tokens": len(ids), "order": order,
+                                   "runs": {m: runs[m] for m in methods}})
+                if progress:  # one line per prompt (above the bar; the only output when stderr is a file)
+                    bar.console.print(f"{i + 1}/{len(work)} {p.category}:{p.question_id} tok/s " + " ".join(
+                        f"{m} {runs[m]['tokens_per_s']:.2f}" for m in methods), highlight=False)
+        except KeyboardInterrupt:  # a long run stopped early still reports the prompts it finished
+            if not per_prompt:
+                raise
+            interrupted = True
+    return per_prompt, interrupted
 
 
 __all__ = ["BenchConfig", "all_methods", "parse_gamma", "parse_methods", "run_bench", "training_free"]

@@ -209,26 +209,48 @@ def bench_command(cfg: dict) -> str:
 
 
 def markdown(results: dict) -> str:
+    """results.json as a Markdown report: the run's header, then one section per table."""
     cfg, ms = results["config"], results["methods"]
     names = list(ms)
     cats = list(next(iter(ms.values()))["by_category"]) if ms else []
-    refs = [r for r in PEER_REFERENCES.values() if r in ms]  # × hf-ar, × llama-ar columns: when they ran
     spec_peers = [m for m in names if own_reference(m)]
+    parts = [_md_header(cfg, cats), _md_overall(ms, spec_peers), *_md_by_category(ms, cats)]
+    if results.get("roofline"):
+        parts.append(_md_roofline(results["roofline"]))
+    parts.append(_md_outputs_vs_ar(cfg, results["mismatches"]))
+    if any(is_peer(n) for n in names):
+        parts.append(_md_peers(cfg, ms, spec_peers, results["mismatches"]))
+    if results.get("footprint"):
+        parts.append(_md_footprint(results["footprint"]))
+    if results.get("skipped"):
+        parts.append("## Skipped prompts\n\n" + "\n".join(f"- {s['question_id']} ({s['category']}): {s['reason']}"
+                                                          for s in results["skipped"]))
+    return "\n\n".join(parts) + "\n"
+
+
+def _md_header(cfg: dict, cats: list[str]) -> str:
+    """Title, the run's settings and machine, the command that repeats it."""
     llama_v = cfg["versions"].get("llama_cpp")
-    parts = [f"# draftwise bench\n\n"
-             f"target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, γ={cfg['gamma']}, "
-             f"max_tokens={cfg['max_tokens']}, "
-             f"{'greedy' if not cfg['temperature'] else 'T=' + str(cfg['temperature'])}, "
-             f"chat={cfg['chat']}, {cfg['n_prompts']} prompts ({', '.join(cats)}) from {prompts_source(cfg)}, "
-             f"{cfg['threads']} threads, torch {cfg['versions']['torch']}, transformers "
-             f"{cfg['versions']['transformers']}" + (f", llama-cpp-python {llama_v}" if llama_v else "")
-             + ". Warm-up excluded; methods interleaved per prompt."
-             + (f"\n\nCPU: {cfg['cpu']} (kernel path `{cfg.get('isa')}`"
-                + (f", `{cfg['isa_multi_row']}` for 3+-row calls of the groups-of-32 code" if cfg.get("isa_multi_row") not in (None, cfg.get("isa"))
-                   else "") + f"); {str(cfg.get('started', ''))[:10]}"
-                + (f"; commit `{cfg['commit']}`" if cfg.get("commit") else "") + "." if cfg.get("cpu") else "")
-             + f"\n\n```bash\n{bench_command(cfg)}\n```"
-             + ("\n\n**Interrupted**: only the prompts that finished are reported." if cfg.get("interrupted") else "")]
+    return (f"# draftwise bench\n\n"
+            f"target `{cfg['target']}`, draft `{cfg['draft']}`, {cfg['dtype']}, γ={cfg['gamma']}, "
+            f"max_tokens={cfg['max_tokens']}, "
+            f"{'greedy' if not cfg['temperature'] else 'T=' + str(cfg['temperature'])}, "
+            f"chat={cfg['chat']}, {cfg['n_prompts']} prompts ({', '.join(cats)}) from {prompts_source(cfg)}, "
+            f"{cfg['threads']} threads, torch {cfg['versions']['torch']}, transformers "
+            f"{cfg['versions']['transformers']}" + (f", llama-cpp-python {llama_v}" if llama_v else "")
+            + ". Warm-up excluded; methods interleaved per prompt."
+            + (f"\n\nCPU: {cfg['cpu']} (kernel path `{cfg.get('isa')}`"
+               + (f", `{cfg['isa_multi_row']}` for 3+-row calls of the groups-of-32 code" if cfg.get("isa_multi_row") not in (None, cfg.get("isa"))
+                  else "") + f"); {str(cfg.get('started', ''))[:10]}"
+               + (f"; commit `{cfg['commit']}`" if cfg.get("commit") else "") + "." if cfg.get("cpu") else "")
+            + f"\n\n```bash\n{bench_command(cfg)}\n```"
+            + ("\n\n**Interrupted**: only the prompts that finished are reported." if cfg.get("interrupted") else ""))
+
+
+def _md_overall(ms: dict, spec_peers: list[str]) -> str:
+    """One row per method: speed, × ar (and × each peer's plain decoding that ran), α, τ, time split."""
+    names = list(ms)
+    refs = [r for r in PEER_REFERENCES.values() if r in ms]  # × hf-ar, × llama-ar columns: when they ran
     head = ["method", "tok/s", "× ar", "median × ar"] + [h for r in refs for h in (f"× {r}", f"median × {r}")] + \
         ["α", "τ", "prefill", "draft", "verify", "other", "mismatches vs ar"] + \
         (["matches own ar"] if spec_peers else [])
@@ -241,74 +263,84 @@ def markdown(results: dict) -> str:
                     + [_f(s["acceptance_rate"]), _f(s["mean_accepted_length"])]
                     + [_f(ts.get(k) and 100 * ts[k], ".0f") + "%" for k in ("prefill", "draft", "verify", "other")]
                     + [_f(s["mismatches"], "d")] + ([own_match(s)] if spec_peers else []))
-    parts.append("## Overall\n\n" + _table(head, rows) + "\n\nTime split: shares of wall time; `draft` is "
-                 "everything outside the target's forward passes (drafting and bookkeeping)."
-                 + (" `beam` is beam search, another search than `ar`'s: its output is not compared (–)."
-                    if any(m in NOT_COMPARED for m in names) else "")
-                 + (" Matches own ar: prompts where a speculative peer's greedy output equals its own library's "
-                    "plain decoding (`hf-ar`, `llama-ar`)." if spec_peers else ""))
+    return ("## Overall\n\n" + _table(head, rows) + "\n\nTime split: shares of wall time; `draft` is "
+            "everything outside the target's forward passes (drafting and bookkeeping)."
+            + (" `beam` is beam search, another search than `ar`'s: its output is not compared (–)."
+               if any(m in NOT_COMPARED for m in names) else "")
+            + (" Matches own ar: prompts where a speculative peer's greedy output equals its own library's "
+               "plain decoding (`hf-ar`, `llama-ar`)." if spec_peers else ""))
+
+
+def _md_by_category(ms: dict, cats: list[str]) -> list[str]:
+    """Speedup, tokens/s, τ and α per prompt category: one table each."""
+    parts = []
     for title, k, fmt in (("Speedup vs `ar` by category", "speedup_vs_ar", ".2f"),
                             ("Tokens/s by category", "tokens_per_s", ".2f"),
                             ("τ (mean accepted length) by category", "mean_accepted_length", ".2f"),
                             ("α (acceptance rate) by category", "acceptance_rate", ".2f")):
         rows = [[f"`{m}`"] + [_f(ms[m]["by_category"][c][k], fmt) for c in cats] + [_f(ms[m][k], fmt)]
-                for m in names]
+                for m in ms]
         parts.append(f"## {title}\n\n" + _table(["method"] + cats + ["overall"], rows))
-    rf = results.get("roofline")
-    if rf:
-        parts.append("## Roofline\n\n" + _table(["quantity", "value"], [
-            ["memory bandwidth", f"{rf['bandwidth_gb_s']:.1f} GB/s ({rf['bandwidth']['method']})"],
-            ["target weights streamed per token", f"{_bytes(rf['weight_bytes_per_token'])} "
-             f"({rf['weight_elements_per_token'] / 1e6:,.1f} M elements; "
-             + ", ".join(f"{k} {_bytes(v)}" for k, v in rf["bytes_by_dtype"].items()) + ")"],
-            ["batch-1 bound", f"{_f(rf['max_tokens_per_s'])} tok/s"],
-            ["`ar` measured",
-             f"{_f(rf['ar_tokens_per_s'])} tok/s = {_f(rf['ar_percent_of_bound'], '.0f')}% of the bound"]])
-            + "\n\nBytes per token count every parameter and buffer but the input embedding (the KV cache "
-              "read is not included).")
-    mm = results["mismatches"]
-    own = [m for m in mm if not is_peer(m["method"])]
-    peer = [m for m in mm if is_peer(m["method"])]
+    return parts
+
+
+def _md_roofline(rf: dict) -> str:
+    return ("## Roofline\n\n" + _table(["quantity", "value"], [
+        ["memory bandwidth", f"{rf['bandwidth_gb_s']:.1f} GB/s ({rf['bandwidth']['method']})"],
+        ["target weights streamed per token", f"{_bytes(rf['weight_bytes_per_token'])} "
+         f"({rf['weight_elements_per_token'] / 1e6:,.1f} M elements; "
+         + ", ".join(f"{k} {_bytes(v)}" for k, v in rf["bytes_by_dtype"].items()) + ")"],
+        ["batch-1 bound", f"{_f(rf['max_tokens_per_s'])} tok/s"],
+        ["`ar` measured",
+         f"{_f(rf['ar_tokens_per_s'])} tok/s = {_f(rf['ar_percent_of_bound'], '.0f')}% of the bound"]])
+        + "\n\nBytes per token count every parameter and buffer but the input embedding (the KV cache "
+          "read is not included).")
+
+
+def _md_outputs_vs_ar(cfg: dict, mismatches: list[dict]) -> str:
+    """draftwise's own methods against `ar`, token for token."""
+    own = [m for m in mismatches if not is_peer(m["method"])]
     chk = "" if cfg["outputs_checked"] else " (not checked: sampling without a seed)"
-    peers_checked = cfg.get("peers_checked", cfg["outputs_checked"])
-    peer_chk = "" if peers_checked else " (not checked: sampling is on)"
     what = "Greedy outputs" if cfg.get("temperature", 0.0) == 0.0 else "Seeded sampled outputs"
-    parts.append(f"## {what} vs `ar`" + chk + "\n\n" + (
+    return (f"## {what} vs `ar`" + chk + "\n\n" + (
         _table(["question", "category", "method", "first differing token", "tokens", "`ar` tokens"],
                [[str(m["question_id"]), m["category"], f"`{m['method']}`", str(m["first_diff"]), str(m["tokens"]),
                  str(m["reference_tokens"])] for m in own]) if own else "Every draftwise method equals `ar` token "
                                                                       "for token."))
-    if any(is_peer(n) for n in names):
-        own_table = ""
-        if spec_peers and peers_checked:
-            own_table = _table(["method", "own reference", "matches own ar", "mismatches vs `ar`"],
-                               [[f"`{m}`", f"`{ms[m]['own_reference']}`", own_match(ms[m]), str(ms[m]["mismatches"])]
-                                for m in spec_peers]) + "\n\n"
-        parts.append("## Peers vs `ar` and their own plain decoding (other numerics: reported apart)" + peer_chk + "\n\n"
-                     "HF transformers and llama.cpp compute with their own kernels, so a peer may leave `ar`'s "
-                     "greedy path without being wrong; a speculative peer is lossless when it equals its own "
-                     "library's plain decoding (`hf-ar`, `llama-ar`; llama.cpp is not batch-invariant, so a "
-                     "multi-token verify pass can flip a near-tie).\n\n" + own_table + (
-                         _table(["question", "category", "method", "reference", "first differing token", "tokens",
-                                 "reference tokens"],
-                                [[str(m["question_id"]), m["category"], f"`{m['method']}`", f"`{m['reference']}`",
-                                  str(m["first_diff"]), str(m["tokens"]), str(m["reference_tokens"])] for m in peer])
-                         if peer else "Every peer equals `ar` token for token." if peers_checked else
-                         "Not compared: peers sample with their own generators."))
-    fp = results.get("footprint")
-    if fp:
-        rows = [[f"`{m}`", r["error"], "", "", ""] if "error" in r else
-                [f"`{m}`", f"{r['peak_rss_mb']:.0f} MiB", f"{r['load_s']:.2f}", f"{r['generate_s']:.2f}",
-                 f"{r['wall_s']:.2f}"] for m, r in fp.items()]
-        parts.append("## Memory and start-up\n\nEach method in a fresh process that loads only what it needs and "
-                     "generates the first prompt once: peak resident set (VmHWM), model load time, generation "
-                     "time, and the whole process (interpreter start and imports included). llama.cpp peers run "
-                     "in a process that imports llama-cpp-python alone.\n\n" + _table(
-                         ["method", "peak RSS", "load s", "generate s", "whole process s"], rows))
-    if results.get("skipped"):
-        parts.append("## Skipped prompts\n\n" + "\n".join(f"- {s['question_id']} ({s['category']}): {s['reason']}"
-                                                          for s in results["skipped"]))
-    return "\n\n".join(parts) + "\n"
+
+
+def _md_peers(cfg: dict, ms: dict, spec_peers: list[str], mismatches: list[dict]) -> str:
+    """The peers (HF, llama.cpp) against `ar` and against their own library's plain decoding."""
+    peer = [m for m in mismatches if is_peer(m["method"])]
+    peers_checked = cfg.get("peers_checked", cfg["outputs_checked"])
+    peer_chk = "" if peers_checked else " (not checked: sampling is on)"
+    own_table = ""
+    if spec_peers and peers_checked:
+        own_table = _table(["method", "own reference", "matches own ar", "mismatches vs `ar`"],
+                           [[f"`{m}`", f"`{ms[m]['own_reference']}`", own_match(ms[m]), str(ms[m]["mismatches"])]
+                            for m in spec_peers]) + "\n\n"
+    return ("## Peers vs `ar` and their own plain decoding (other numerics: reported apart)" + peer_chk + "\n\n"
+            "HF transformers and llama.cpp compute with their own kernels, so a peer may leave `ar`'s "
+            "greedy path without being wrong; a speculative peer is lossless when it equals its own "
+            "library's plain decoding (`hf-ar`, `llama-ar`; llama.cpp is not batch-invariant, so a "
+            "multi-token verify pass can flip a near-tie).\n\n" + own_table + (
+                _table(["question", "category", "method", "reference", "first differing token", "tokens",
+                        "reference tokens"],
+                       [[str(m["question_id"]), m["category"], f"`{m['method']}`", f"`{m['reference']}`",
+                         str(m["first_diff"]), str(m["tokens"]), str(m["reference_tokens"])] for m in peer])
+                if peer else "Every peer equals `ar` token for token." if peers_checked else
+                "Not compared: peers sample with their own generators."))
+
+
+def _md_footprint(fp: dict) -> str:
+    rows = [[f"`{m}`", r["error"], "", "", ""] if "error" in r else
+            [f"`{m}`", f"{r['peak_rss_mb']:.0f} MiB", f"{r['load_s']:.2f}", f"{r['generate_s']:.2f}",
+             f"{r['wall_s']:.2f}"] for m, r in fp.items()]
+    return ("## Memory and start-up\n\nEach method in a fresh process that loads only what it needs and "
+            "generates the first prompt once: peak resident set (VmHWM), model load time, generation "
+            "time, and the whole process (interpreter start and imports included). llama.cpp peers run "
+            "in a process that imports llama-cpp-python alone.\n\n" + _table(
+                ["method", "peak RSS", "load s", "generate s", "whole process s"], rows))
 
 
 def plot(results: dict, out: Path) -> list[Path]:

@@ -119,6 +119,17 @@ class _State:
     ids: list[int] = field(default_factory=list)  # draft tokens whose keys/values the row holds, in order
 
 
+@dataclass
+class _Drawn:
+    """One propose's draws, per row."""
+
+    ids: torch.Tensor  # (B, S) draft-vocabulary ids
+    target: list[list[int]]  # sampled rows: the target ids drawn
+    probs: list[list[torch.Tensor]]  # sampled rows without a seed: q (V_t,) of each draw
+    text_tokens: list[list[int] | None]  # text rows: their k target tokens, once the text went beyond them
+    steps: int  # draft tokens drawn per row (all rows move together)
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -152,13 +163,21 @@ class CrossVocabDrafter:
             state.ids = list(prefix)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        B = len(seqs)
         assert all(s.row == i for i, s in enumerate(seqs)), "engine rows must be 0..B-1"
         steps = [k if not s.params.greedy else draft_steps(k) for s, k in zip(seqs, ks)]
         S = max(steps, default=0)
         if S == 0:
             return [Draft([]) for _ in seqs]
-        # 1) the new context of each row and what its cache row keeps of the old one (longest common prefix)
+        starts, pending, drafting = self._catch_up_plan(seqs, ks, S)
+        logits = self._catch_up(seqs, starts, pending)
+        drawn = self._draw(seqs, ks, steps, S, drafting, logits)
+        return self._drafts(seqs, ks, steps, drafting, drawn)
+
+    def _catch_up_plan(self, seqs: list[Sequence], ks: list[int], S: int
+                       ) -> tuple[list[int], list[list[int]], list[bool]]:
+        """What each cache row keeps of its old context (``starts``: the longest common prefix with the new
+        one), the tokens it is fed to catch up (``pending``), and whether it drafts (its context, the
+        batch's padded catch-up and S drafts fit its row; a row that does not refeeds one token it holds)."""
         ctxs = [self.bridge.draft_context(s, s.drafter_state.prompt) for s in seqs]
         starts, pending = [], []
         for s, ctx in zip(seqs, ctxs):
@@ -168,7 +187,6 @@ class CrossVocabDrafter:
             n = min(_common_prefix(ids, ctx), len(ctx) - 1)  # at least the last token is fed, for its logits
             starts.append(n)
             pending.append(ctx[n:])
-        # a row drafts when its context, the padding of the batch's catch-up and S drafts fit its cache row
         drafting = [ctx is not None and k > 0 and n + len(p) + S <= self.capacity
                     for ctx, k, n, p in zip(ctxs, ks, starts, pending)]
         P = max((len(p) for p, ok in zip(pending, drafting) if ok), default=1)
@@ -181,7 +199,12 @@ class CrossVocabDrafter:
                     pending[i] = [ids[starts[i]]]
                 else:
                     starts[i], pending[i] = 0, seqs[i].drafter_state.prompt[:1]
-        P = max(len(p) for p in pending)
+        return starts, pending, drafting
+
+    def _catch_up(self, seqs: list[Sequence], starts: list[int], pending: list[list[int]]) -> torch.Tensor:
+        """Feed every row its pending tokens after its kept prefix, in one right-padded batch; returns the
+        draft's logits (B, V_d) after each row's last pending token."""
+        B, P = len(seqs), max(len(p) for p in pending)
         cache = self.cache.view(slice(0, B))
         x = torch.zeros(B, P, dtype=torch.long)  # (B, P) right-padded
         for i, p in enumerate(pending):
@@ -189,22 +212,27 @@ class CrossVocabDrafter:
         cache.set_lengths(starts)
         last = torch.tensor([len(p) - 1 for p in pending])  # (B,)
         logits = self.model.forward(x, cache, logits_for=last).logits[:, 0]  # (B, V_d)
-        for i, (s, n, p) in enumerate(zip(seqs, starts, pending)):
+        for s, n, p in zip(seqs, starts, pending):
             s.drafter_state.ids = s.drafter_state.ids[:n] + p
         cache.set_lengths([len(s.drafter_state.ids) for s in seqs])
-        # 2) S draft tokens per row: text rows freely (argmax), sampled rows in the shared vocabulary
-        drawn = torch.zeros(B, S, dtype=torch.long)  # (B, S) draft-vocabulary ids
-        target_drawn: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        text_tokens: list[list[int] | None] = [None] * B  # a text row's target tokens, once it has k + 1
+        return logits
+
+    def _draw(self, seqs: list[Sequence], ks: list[int], steps: list[int], S: int, drafting: list[bool],
+              logits: torch.Tensor) -> _Drawn:
+        """Up to S draft tokens per row: text (greedy) rows freely by argmax, until their text covers k + 1
+        target tokens; sampled rows in the shared vocabulary (q over the target's); rows not drafting by
+        argmax (the batch moves together). Stops when every drafting row is done."""
+        B = len(seqs)
+        cache = self.cache.view(slice(0, B))
+        d = _Drawn(torch.zeros(B, S, dtype=torch.long), [[] for _ in seqs], [[] for _ in seqs], [None] * B, S)
         for j in range(S):
             for i, s in enumerate(seqs):
                 if s.params.greedy or not drafting[i] or j >= steps[i]:
-                    drawn[i, j] = int(logits[i].argmax())
-                    if s.params.greedy and drafting[i] and text_tokens[i] is None:
-                        tokens = self._text_tokens(s, drawn[i, :j + 1].tolist())
+                    d.ids[i, j] = int(logits[i].argmax())
+                    if s.params.greedy and drafting[i] and d.text_tokens[i] is None:
+                        tokens = self._text_tokens(s, d.ids[i, :j + 1].tolist())
                         if len(tokens) > ks[i]:  # k tokens whose text the draft went beyond: done
-                            text_tokens[i] = tokens[:ks[i]]
+                            d.text_tokens[i] = tokens[:ks[i]]
                     continue
                 q_t, _ = self.bridge.restricted_probs(logits[i], s.params)  # (V_t,)
                 if s.params.seed is not None:
@@ -212,28 +240,34 @@ class CrossVocabDrafter:
                     t = sample_at(q_t, s.params.seed, pos, s.uniforms(pos, q_t.shape[-1]))
                 else:
                     t = int(sample(q_t, s.generator))
-                    probs[i].append(q_t)
-                target_drawn[i].append(t)
-                drawn[i, j] = int(self.bridge.to_draft[t])
-            done = all(not ok or (text_tokens[i] is not None if s.params.greedy else j + 1 >= steps[i])
+                    d.probs[i].append(q_t)
+                d.target[i].append(t)
+                d.ids[i, j] = int(self.bridge.to_draft[t])
+            done = all(not ok or (d.text_tokens[i] is not None if s.params.greedy else j + 1 >= steps[i])
                        for i, (s, ok) in enumerate(zip(seqs, drafting)))
             if done:
-                S = j + 1
+                d.steps = j + 1
                 break
             if j + 1 < S:
-                logits = self.model.forward(drawn[:, j:j + 1], cache, logits_for="last").logits[:, -1]
+                logits = self.model.forward(d.ids[:, j:j + 1], cache, logits_for="last").logits[:, -1]
+        return d
+
+    def _drafts(self, seqs: list[Sequence], ks: list[int], steps: list[int], drafting: list[bool],
+                d: _Drawn) -> list[Draft]:
+        """Each row's draft in target tokens; the rows' caches record the draft tokens fed."""
+        S = d.steps
         drafts = []
         for i, s in enumerate(seqs):
-            s.drafter_state.ids += drawn[i, :S - 1].tolist()  # the last drawn token was never fed
+            s.drafter_state.ids += d.ids[i, :S - 1].tolist()  # the last drawn token was never fed
             if not drafting[i]:
                 drafts.append(Draft([]))
             elif not s.params.greedy:
-                q = torch.stack(probs[i][:ks[i]]) if probs[i] else None
-                drafts.append(Draft(target_drawn[i][:ks[i]], q))
-            elif text_tokens[i] is not None:
-                drafts.append(Draft(text_tokens[i]))
+                q = torch.stack(d.probs[i][:ks[i]]) if d.probs[i] else None
+                drafts.append(Draft(d.target[i][:ks[i]], q))
+            elif d.text_tokens[i] is not None:
+                drafts.append(Draft(d.text_tokens[i]))
             else:
-                tokens = self._text_tokens(s, drawn[i, :min(steps[i], S)].tolist())
+                tokens = self._text_tokens(s, d.ids[i, :min(steps[i], S)].tolist())
                 if len(tokens) > 1:
                     tokens = tokens[:-1]  # the text ends where the draft stopped: its last token may be cut short
                 drafts.append(Draft(tokens[:ks[i]]))

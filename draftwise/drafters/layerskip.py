@@ -283,62 +283,17 @@ def calibrate(model, prompts: list[list[int]], pass_cost: Callable[[int], float]
         raise InvalidParameterError("calibration needs prompts and gen_tokens > depth")
     B = len(prompts)
     cache = model.new_cache(B, max(len(p) for p in prompts) + gen_tokens + 1)
-    # 1) prefill each prompt into its row, recording the residual stream entering every layer
-    entering: list[list[torch.Tensor]] = [[] for _ in range(L)]  # [layer] -> (T, D) per prompt
-    hooks = [layer.attn_norm.register_forward_hook(
-        lambda mod, args, out, i=i: entering[i].append(args[0][0].float())) for i, layer in enumerate(model.layers)]
-    seqs = []
-    try:
-        for b, p in enumerate(prompts):
-            out = model.forward(torch.tensor([p]), cache.view(slice(b, b + 1)), logits_for="last")
-            seqs.append(list(p) + [int(out.logits[0, -1].argmax())])
-    finally:
-        for h in hooks:
-            h.remove()
-    influence = [0.0] * L  # block influence of layer i: 1 - cos(h_i, h_{i+1}), averaged over tokens
-    for i in range(1, L - 1):
-        h0, h1 = torch.cat(entering[i]), torch.cat(entering[i + 1])  # (N, D)
-        influence[i] = float(1 - torch.nn.functional.cosine_similarity(h0, h1, dim=-1).mean())
-    # 2) the target's own greedy continuation, all rows in one batch (one token per row: the decode path)
+    seqs, influence = _prefill_with_influence(model, prompts, cache)
     view = cache.view(slice(0, B))
-    for _ in range(gen_tokens - 1):
-        nxt = model.forward(torch.tensor([[s[-1]] for s in seqs]), view, logits_for="last").logits[:, -1].argmax(-1)
-        for s, t in zip(seqs, nxt.tolist()):
-            s.append(t)
-    # rows now hold the target's K/V of all their tokens but the last. Chains start at positions t
-    # (feeding token t at slot t) from the last prompt token on, latest first: a chain writes slots
-    # t..t+depth-1, which later (earlier-starting) chains never read.
-    starts = [list(range(len(s) - 1 - depth, len(p) - 2, -stride)) for s, p in zip(seqs, prompts)]
-    rounds = min(len(t) for t in starts)
-    lo = min(len(p) for p in prompts) - 1
-    saved = (cache.k[:, :, :, lo:].clone(), cache.v[:, :, :, lo:].clone())  # restored after each candidate
-
-    def chains(kept: tuple[int, ...]) -> list[int]:
-        runs: list[int] = []
-        for r in range(rounds):
-            ts = [t[r] for t in starts]
-            view.set_lengths(ts)
-            x = torch.tensor([[s[t]] for s, t in zip(seqs, ts)])  # (B, 1)
-            run, alive = [0] * B, [True] * B
-            for j in range(depth):
-                d = model.forward(x, view, logits_for="last", layers=kept).logits[:, -1].argmax(-1).tolist()
-                for b in range(B):
-                    alive[b] = alive[b] and d[b] == seqs[b][ts[b] + 1 + j]
-                    run[b] += alive[b]
-                if not any(alive):
-                    break
-                x = torch.tensor([[s[t + 1 + j]] for s, t in zip(seqs, ts)])  # = the drafts where alive
-            runs += run
-        cache.k[:, :, :, lo:], cache.v[:, :, :, lo:] = saved
-        return runs
-
+    _continue_greedily(model, view, seqs, gen_tokens)
+    chains = _Chains(model, cache, view, prompts, seqs, depth, stride)
     cands: list[Candidate] = []
     dead: set[str] = set()  # families whose drafts stopped being accepted: larger sets only do worse
     for fam, skip in skip_candidates(influence, fractions):
         if fam in dead:
             continue
         kept = tuple(i for i in range(L) if i not in skip)
-        runs = chains(kept)
+        runs = chains.accepted_runs(kept)
         accepted = [sum(min(r, j) for r in runs) / len(runs) for j in range(depth + 1)]
         view.set_lengths([len(s) - 1 for s in seqs])
         ratio = _ratio(model, cache.view(slice(0, 1)), torch.tensor([[seqs[0][-1]]]), kept, repeats=3)
@@ -352,8 +307,78 @@ def calibrate(model, prompts: list[list[int]], pass_cost: Callable[[int], float]
     best = max(cands, key=lambda c: c.speedup)
     return SkipPlan(skip=best.skip, num_layers=L, draft_ratio=best.draft_ratio, speedup=best.speedup,
                     best_k=best.best_k, accepted=best.accepted, influence=influence,
-                    candidates=[asdict(c) for c in cands], chains=rounds * B,
+                    candidates=[asdict(c) for c in cands], chains=chains.rounds * B,
                     seconds=time.perf_counter() - t_start)
+
+
+def _prefill_with_influence(model, prompts: list[list[int]], cache) -> tuple[list[list[int]], list[float]]:
+    """Prefill each prompt into its cache row, recording the residual stream entering every layer. Returns
+    each prompt plus the target's greedy next token, and each layer's block influence: 1 - cos(h_i, h_{i+1})
+    averaged over the prompts' tokens (0 for the first and last layers, which are never skipped)."""
+    L = len(model.layers)
+    entering: list[list[torch.Tensor]] = [[] for _ in range(L)]  # [layer] -> (T, D) per prompt
+    hooks = [layer.attn_norm.register_forward_hook(
+        lambda mod, args, out, i=i: entering[i].append(args[0][0].float())) for i, layer in enumerate(model.layers)]
+    seqs = []
+    try:
+        for b, p in enumerate(prompts):
+            out = model.forward(torch.tensor([p]), cache.view(slice(b, b + 1)), logits_for="last")
+            seqs.append(list(p) + [int(out.logits[0, -1].argmax())])
+    finally:
+        for h in hooks:
+            h.remove()
+    influence = [0.0] * L
+    for i in range(1, L - 1):
+        h0, h1 = torch.cat(entering[i]), torch.cat(entering[i + 1])  # (N, D)
+        influence[i] = float(1 - torch.nn.functional.cosine_similarity(h0, h1, dim=-1).mean())
+    return seqs, influence
+
+
+def _continue_greedily(model, view, seqs: list[list[int]], gen_tokens: int) -> None:
+    """The target's own greedy continuation of every row to ``gen_tokens`` tokens, appended to ``seqs``:
+    all rows in one batch, one token per row (the decode path)."""
+    for _ in range(gen_tokens - 1):
+        nxt = model.forward(torch.tensor([[s[-1]] for s in seqs]), view, logits_for="last").logits[:, -1].argmax(-1)
+        for s, t in zip(seqs, nxt.tolist()):
+            s.append(t)
+
+
+class _Chains:
+    """Draft chains of a candidate layer set in the target's own cache, scored against its continuation.
+
+    The rows hold the target's K/V of all their tokens but the last. Chains start at positions t (feeding
+    token t at slot t) from the last prompt token on, every ``stride``-th, latest first: a chain writes slots
+    t..t+depth-1, which later (earlier-starting) chains never read; the slots chains overwrite are restored
+    after each candidate."""
+
+    def __init__(self, model, cache, view, prompts: list[list[int]], seqs: list[list[int]], depth: int, stride: int):
+        self.model, self.cache, self.view, self.seqs, self.depth = model, cache, view, seqs, depth  # view: all rows
+        self.starts = [list(range(len(s) - 1 - depth, len(p) - 2, -stride)) for s, p in zip(seqs, prompts)]
+        self.rounds = min(len(t) for t in self.starts)
+        self.lo = min(len(p) for p in prompts) - 1
+        self.saved = (cache.k[:, :, :, self.lo:].clone(), cache.v[:, :, :, self.lo:].clone())
+
+    def accepted_runs(self, kept: tuple[int, ...]) -> list[int]:
+        """For every chain: how many of its drafts (through the ``kept`` layers only, up to ``depth``) match
+        the target's continuation before the first that does not."""
+        seqs, B = self.seqs, len(self.seqs)
+        runs: list[int] = []
+        for r in range(self.rounds):
+            ts = [t[r] for t in self.starts]
+            self.view.set_lengths(ts)
+            x = torch.tensor([[s[t]] for s, t in zip(seqs, ts)])  # (B, 1)
+            run, alive = [0] * B, [True] * B
+            for j in range(self.depth):
+                d = self.model.forward(x, self.view, logits_for="last", layers=kept).logits[:, -1].argmax(-1).tolist()
+                for b in range(B):
+                    alive[b] = alive[b] and d[b] == seqs[b][ts[b] + 1 + j]
+                    run[b] += alive[b]
+                if not any(alive):
+                    break
+                x = torch.tensor([[s[t + 1 + j]] for s, t in zip(seqs, ts)])  # = the drafts where alive
+            runs += run
+        self.cache.k[:, :, :, self.lo:], self.cache.v[:, :, :, self.lo:] = self.saved
+        return runs
 
 
 # ---- the plan cache ------------------------------------------------------------------------------------
