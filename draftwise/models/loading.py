@@ -32,7 +32,7 @@ from .registry import draftwise_home
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 CONVERT_VERSION = 4  # bump when the converted layout changes (2: projections stored fused; 3: GGUF read in place;
-# 4: Q4_K / Q6_K kept in their own blocks, csrc/kquant.h)
+# 4: Q4_K / Q6_K kept in their own blocks, csrc/core/kquant.h)
 SOURCE_RECORD = "draftwise_source.json"  # in each converted folder: the GGUF it was made from
 LAYOUT_FILE = "gguf_layout.json"  # in each converted folder: where each tensor lies in the GGUF
 
