@@ -23,8 +23,10 @@ under steady load instead of giving pages back and faulting them in again every 
 engine goes idle every row written since is given back to the OS (``KVCache.release_rows``), so an idle
 server returns to its warm footprint, not the longest answers seen. Going idle also runs a full garbage
 collection (objects requests left in reference cycles, and the tensors they hold, would otherwise wait
-for Python's rare full collections), and then (and every ``TRIM_EVERY_S`` under unbroken load) trims
-malloc's free lists (``memory.trim_heap``). When every row is busy requests wait;
+for Python's rare full collections), and then trims malloc's free lists (``memory.trim_heap``). Under
+load malloc holds what steps free for the next step (``memory.hold_freed_memory``, set when the engine
+is made): the resident set stays at the working set's high-water mark, flat, instead of each step's
+activations being unmapped and faulted in again. When every row is busy requests wait;
 when ``max_queue`` are waiting ``submit`` refuses (``EngineFullError``, HTTP 503). Every structure that
 outlives a request is bounded: the waiting queue (``max_queue``), the request table (rows + queue), the
 suffix drafter's store (``SuffixCache.max_tokens``), the metrics window (10 s); /metrics exports their
@@ -61,7 +63,7 @@ from ..drafters.base import Draft, Drafter, Needs, needs_of
 from ..drafters.suffix import SuffixCache
 from ..errors import DraftwiseError, InvalidParameterError
 from ..gamma import AdaptiveGamma
-from ..memory import trim_heap
+from ..memory import hold_freed_memory, trim_heap
 from ..models.base import KVCache
 from ..sequence import Sequence
 from .detok import IncrementalDetokenizer
@@ -76,9 +78,6 @@ DRAFTER_SYNC_STEPS = 16
 # the adaptive policy found speculation not paying for this many steps in a row: the draft model is
 # switched off (rows detached) until the policy finds it would pay again
 DETACH_AFTER_STEPS = 2 * DRAFTER_SYNC_STEPS
-# malloc's free lists go back to the OS when the engine goes idle, and between steps at least this often
-# under unbroken load (a trim of a 2 GB heap takes ~ms; a step of the 1.5B, ~100 ms)
-TRIM_EVERY_S = 20.0
 
 
 class EngineFullError(DraftwiseError):
@@ -282,7 +281,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._used_rows = 0  # rows written since they were last given back to the OS
         self._trimmed = True  # malloc trimmed since the engine last worked
-        self._trimmed_at = time.monotonic()
+        hold_freed_memory()  # under load a step reuses what the last one freed; trimmed when idle
         self.gamma_now = 0  # draft length of the latest step (0 = no speculation)
         self.steps = 0
         self._off_steps = 0  # consecutive steps the policy found speculation not paying
@@ -427,8 +426,6 @@ class Engine:
                     self._release_rows()
                     gc.collect()  # what requests left in reference cycles (tasks, frames, errors) and the
                     self._trim()  # tensors those hold: else only a rare full collection frees them
-                elif time.monotonic() - self._trimmed_at > TRIM_EVERY_S:  # busy for long: trim between steps
-                    self._trim()
                 with self._lock:
                     while not (self._stop or self._waiting or self._cancelled or self.decoder.running):
                         self._lock.wait()
@@ -451,7 +448,6 @@ class Engine:
         if trim_heap():
             self.metrics.heap_trims.inc()
         self.metrics.heap_trim_seconds.inc(time.perf_counter() - t0)
-        self._trimmed_at = time.monotonic()
 
     def _release_rows(self) -> None:
         """Give the pages of rows that sequences have left back to the OS (every KV cache: target and
