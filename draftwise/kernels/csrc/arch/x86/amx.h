@@ -1,0 +1,60 @@
+// The AMX path (Intel Sapphire / Emerald / Granite Rapids Xeons): the K-quant rule (kquant.h) on AMX-INT8
+// tiles for calls of 2 or more activation rows; one row stays on the AVX512-VNNI kernel (kquant_x86.h),
+// which is at the memory roofline there. Every other op of the path is AVX512-VNNI's. The tile algorithm
+// is kquant_amx.inc; qmm_amx.cpp instantiates it twice: on the hardware tiles, and on an emulation of the
+// tile instructions in plain C++ (amx_emu.h) that runs on every CPU, so that the algorithm is tested
+// (tests/selftest.cpp, tests/test_amx.py) where no AMX CPU is at hand.
+//
+// WHEN THE PATH RUNS (all of these, else it is absent with a recorded reason, never a crash):
+//   1. the compiler knows AMX (gcc 11+ / clang 12+, x86-64; else the hardware half is not compiled);
+//   2. cpuid: amx-tile, amx-int8 and AVX512-VNNI, and the OS has enabled the tile state (XCR0 bits 17, 18);
+//   3. Linux grants this process the tile data: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+//   4. verified: the hardware kernel, run in a forked child (a fault there kills only the child), gives
+//      the scalar reference's bits on random blocks of both formats for 1-33 rows (amx_verify). Some
+//      virtual machines advertise AMX and fault on it. The verdict is cached per build, CPU and host by the
+//      Python side (kernels._check_amx), which hands it back through amx_set_verdict.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace dw {
+
+struct KqArgs;
+
+// ldtilecfg's 64-byte operand, palette 1: tile i holds rows[i] rows of colsb[i] bytes (at most 16 x 64)
+struct alignas(64) AmxTileCfg {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(AmxTileCfg) == 64, "ldtilecfg reads 64 bytes");
+
+enum class AmxState : int {
+  kNotBuilt,      // the compiler could not build the hardware kernel
+  kNoCpu,         // cpuid / XCR0: no AMX-INT8 (or no AVX512-VNNI) here
+  kNoPermission,  // Linux did not grant the tile data state (or not Linux)
+  kUnchecked,     // usable hardware, not verified yet
+  kVerified,      // the hardware kernel gave the reference's bits: the path is usable
+  kRefused,       // the check found a difference or a fault: the path stays off
+};
+const char* amx_state_name(AmxState s);  // "not built", "unavailable", ..., "verified", "refused"
+AmxState amx_state(std::string* reason);  // detects once (cpuid, permission request); reason: why not / verdict
+bool amx_usable();                         // state == kVerified
+
+// The bit-for-bit check in a forked child. mode 0: the hardware kernel (records the verdict: kVerified or
+// kRefused, unless the hardware is absent: then nothing runs and false is returned with the reason);
+// the others only report, for tests of the check itself: 1 the emulated kernel, 2 the emulated kernel with
+// one output bit flipped (a difference must be refused), 3 the hardware kernel even where cpuid says
+// there is no AMX (a fault must be refused). Returns true when the child's results were identical.
+bool amx_verify(int mode, std::string* reason);
+// a verdict found in the cache (only taken while the state is kUnchecked)
+void amx_set_verdict(bool ok, const std::string& reason);
+
+// the tile kernel over tiles t0..t1 for any number of rows (no 1-row hand-off), on the calling thread:
+// on the emulated tiles (any CPU), or on the hardware (only when amx_usable(); returns false otherwise)
+void kq_amx_emulated(const KqArgs& a, int64_t t0, int64_t t1);
+bool kq_amx_hardware(const KqArgs& a, int64_t t0, int64_t t1);
+
+}  // namespace dw
