@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "arch/x86/amx.h"  // amx_usable
 #include "core/qmm.h"
 
 #if defined(__aarch64__) && defined(__linux__)
@@ -37,6 +38,8 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
 bool has_avx512vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
+// cpuid, XCR0, Linux's permission for the tile data, and the forked bit-for-bit check (arch/x86/amx.h)
+bool has_amx() { return has_avx512vnni() && amx_usable(); }
 #elif defined(__aarch64__)
 bool has_dot() {
 #if defined(__linux__)
