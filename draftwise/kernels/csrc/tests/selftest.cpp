@@ -8,10 +8,12 @@
 #include <cstdio>
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <atomic>
 #include <thread>
 #include <vector>
 
+#include "arch/x86/amx.h"
 #include "core/kquant.h"
 #include "core/pool.h"
 #include "core/qmm.h"
@@ -240,8 +242,18 @@ uint64_t check_repack() {
 
 // The K-quant rule (kquant.h): random GGUF Q4_K / Q6_K blocks (finite fp16 scales: normal, subnormal,
 // negative) re-laid out in two row ranges, N = 37 (a partial tile) and 32; every path must equal the
-// reference for 13 rows and for rows alone; the reference is checked loosely against doubles. Prints one
-// checksum per format (pinned: the same on ARM).
+// reference for 13 rows and for rows alone, and so must the AMX tile kernel on emulated tiles (arch/x86/amx.h, on
+// every CPU); the reference is checked loosely against doubles. Prints one checksum per format (pinned:
+// the same on ARM).
+const dw::IsaOps* amx_emulated_ops() {
+  static const dw::IsaOps ops = [] {
+    dw::IsaOps o = dw::kScalar;
+    o.name = "amx-emulated", o.qmm_k = dw::kq_amx_emulated;
+    return o;
+  }();
+  return &ops;
+}
+
 int check_kquant(const char* const* names, int npaths) {
   int failures = 0;
   for (int fmt : {dw::kKq4, dw::kKq6}) {
@@ -278,15 +290,15 @@ int check_kquant(const char* const* names, int npaths) {
         return out;
       };
       const std::vector<float> ref = run(&dw::kScalar, x.data(), M);
-      for (int p = 0; p < npaths; ++p) {
-        const dw::IsaOps* ops = dw::path_by_name(names[p]);
+      for (int p = 0; p <= npaths; ++p) {  // every path, then the emulated AMX tiles
+        const dw::IsaOps* ops = p < npaths ? dw::path_by_name(names[p]) : amx_emulated_ops();
         if (std::memcmp(run(ops, x.data(), M).data(), ref.data(), ref.size() * 4)) {
-          std::printf("MISMATCH kquant-%d N=%lld on path %s\n", fmt, (long long)N, names[p]);
+          std::printf("MISMATCH kquant-%d N=%lld on path %s\n", fmt, (long long)N, ops->name);
           ok = false;
         }
         for (int64_t m : {0, 1, 12}) {
           if (std::memcmp(run(ops, x.data() + m * K, 1).data(), ref.data() + m * N, N * 4)) {
-            std::printf("NOT BATCH-INVARIANT kquant-%d on path %s (row %lld)\n", fmt, names[p], (long long)m);
+            std::printf("NOT BATCH-INVARIANT kquant-%d on path %s (row %lld)\n", fmt, ops->name, (long long)m);
             ok = false;
           }
         }
@@ -314,6 +326,18 @@ int check_kquant(const char* const* names, int npaths) {
   return failures;
 }
 
+// The AMX tile kernel on emulated tiles for 1-33 and 40 rows, both formats, through the same check (in a
+// forked child) that verifies the hardware kernel on a CPU with AMX; and the check must refuse a kernel
+// whose result differs in one bit.
+int check_amx() {
+  std::string emu, flipped;
+  const bool ok = dw::amx_verify(1, &emu), refused = !dw::amx_verify(2, &flipped);
+  if (!ok) std::printf("amx emulated tiles: %s\n", emu.c_str());
+  if (!refused) std::printf("amx check: a one-bit difference was not refused\n");
+  std::printf("%-20s %s\n", "amx-tiles-emulated", ok && refused ? "ok" : "FAIL");
+  return ok && refused ? 0 : 1;
+}
+
 }  // namespace
 
 int main() {
@@ -325,9 +349,12 @@ int main() {
       {"int8-g32-min-f32", 13, 224, 32, 8, true, 32},  {"bf16-dense", 11, 272, 272, 16, false, 32},
       {"fp32-dense", 9, 160, 160, 32, false, 32},
   };
+  std::string amx_why;  // on an AMX CPU: the hardware check (forked child); verified, the path joins the others
+  dw::amx_verify(0, &amx_why);
   const char* names[16];
   const int npaths = dw::available_paths(names, 16);
-  std::printf("cpu: %s\npaths:", dw::cpu_features());
+  std::printf("cpu: %s\namx: %s (%s)\npaths:", dw::cpu_features(), dw::amx_state_name(dw::amx_state(nullptr)),
+              amx_why.c_str());
   for (int p = 0; p < npaths; ++p) std::printf(" %s", names[p]);
   std::printf("\n");
   int failures = 0;
@@ -431,6 +458,7 @@ int main() {
   }
   failures += check_pool();
   failures += check_kquant(names, npaths);
+  failures += check_amx();
   {
     const uint64_t h = check_repack();
     std::printf("%-20s %016llx %s\n", "gguf-repack", (unsigned long long)h, h ? "ok" : "FAIL");
