@@ -292,6 +292,8 @@ bool check_in_child(int mode, std::string* reason) {
   }
   if (pid == 0) {  // the child: this thread only, no locks taken but malloc's (fork-safe in glibc)
     close(fd[0]);
+    for (int sig : {SIGILL, SIGSEGV, SIGBUS, SIGFPE})  // a fault ends the child quietly (no inherited handler,
+      signal(sig, SIG_DFL);                           // e.g. Python's faulthandler, prints a crash report)
     std::string msg;
     try {
       msg = child_check(mode);
