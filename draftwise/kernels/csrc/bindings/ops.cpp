@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "arch/x86/amx.h"
 #include "core/kquant.h"
 #include "core/pool.h"
 #include "core/qmm.h"
@@ -85,21 +86,22 @@ torch::Tensor dequantize_bf16(torch::Tensor q, torch::Tensor scale, torch::Tenso
   return out;
 }
 
-// The K-quant rule (kquant.h). x: (M, K) f32; w: the x16 layout of an (N, K) Q4_K / Q6_K tensor.
-torch::Tensor qmm_kq(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N) {
+// The K-quant rule (kquant.h): x (M, K) f32 quantized per 256 (act_q8k), then run(args) over w, the x16
+// layout of an (N, K) Q4_K / Q6_K tensor
+template <class Run>
+torch::Tensor kq_call(const char* what, torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N, Run run) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: (M, K) f32");
-  TORCH_CHECK(fmt == dw::kKq4 || fmt == dw::kKq6, "qmm_kq: format must be Q4_K (12) or Q6_K (14)");
+  TORCH_CHECK(fmt == dw::kKq4 || fmt == dw::kKq6, what, ": format must be Q4_K (12) or Q6_K (14)");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % dw::QK == 0, "qmm_kq: K must be a multiple of 256");
+  TORCH_CHECK(K % dw::QK == 0, what, ": K must be a multiple of 256");
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == dw::kq_bytes((int)fmt, N, K),
-              "qmm_kq: w does not hold an (N, K) tensor of this format");
+              what, ": w does not hold an (N, K) tensor of this format");
   auto out = torch::empty({M, N}, x.options());
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * (K / dw::QK));
   std::vector<int32_t> b16n(M * (K / 16)), b32(M * (K / 32));
-  const int threads = kernel_threads();
   const float* xp = x.data_ptr<float>();
-  dw::parallel_for(M, 1, threads, [&](int64_t m0, int64_t m1) {
+  dw::parallel_for(M, 1, kernel_threads(), [&](int64_t m0, int64_t m1) {
     dw::act_q8k(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * (K / dw::QK), b16n.data() + m0 * (K / 16),
                 b32.data() + m0 * (K / 32));
   });
@@ -108,9 +110,26 @@ torch::Tensor qmm_kq(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N) {
   a.w = w.data_ptr<uint8_t>();
   a.act = {q.data(), d.data(), b16n.data(), b32.data()};
   a.out = out.data_ptr<float>();
-  const dw::IsaOps* ops = dw::active();  // the fastest for this rule at every row count (kernels._tune_multi)
-  dw::parallel_for(dw::kq_tiles(N), 1, threads, [&](int64_t t0, int64_t t1) { ops->qmm_k(a, t0, t1); });
+  run(a);
   return out;
+}
+
+torch::Tensor qmm_kq(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N) {
+  return kq_call("qmm_kq", x, w, fmt, N, [](const dw::KqArgs& a) {
+    const dw::IsaOps* ops = dw::active();  // the fastest for this rule at every row count (kernels._tune_multi)
+    dw::parallel_for(dw::kq_tiles(a.N), 1, kernel_threads(), [&](int64_t t0, int64_t t1) { ops->qmm_k(a, t0, t1); });
+  });
+}
+
+// the AMX tile kernel (arch/x86/amx.h) for any number of rows, on this thread: on emulated tiles (any CPU), or on
+// the hardware where the amx path is verified (else an error naming the reason)
+torch::Tensor kq_amx(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N, bool emulated) {
+  std::string why;
+  TORCH_CHECK(emulated || dw::amx_usable(), "kq_amx: the AMX path is ", dw::amx_state_name(dw::amx_state(&why)), ": ", why);
+  return kq_call("kq_amx", x, w, fmt, N, [&](const dw::KqArgs& a) {
+    if (emulated) dw::kq_amx_emulated(a, 0, dw::kq_tiles(a.N));
+    else TORCH_CHECK(dw::kq_amx_hardware(a, 0, dw::kq_tiles(a.N)), "kq_amx: the AMX path is not usable");
+  });
 }
 
 // GGUF Q4_K / Q6_K bytes of an (N, K) tensor (rows one after the other) -> the x16 layout (kquant.h),
@@ -283,6 +302,27 @@ std::vector<std::tuple<std::string, std::string, int>> isa_table() {
   return rows;
 }
 
+// (state, reason): "not built" / "unavailable" / "unchecked" / "verified" / "refused", and why (arch/x86/amx.h)
+py::tuple amx_status() {
+  std::string why;
+  const dw::AmxState s = dw::amx_state(&why);
+  return py::make_tuple(std::string(dw::amx_state_name(s)), why);
+}
+
+// the forked bit-for-bit check (arch/x86/amx.h amx_verify): mode "hardware" records the verdict; "emulated",
+// "corrupt" (one output bit flipped) and "fault" (the hardware kernel even without AMX) only report
+py::tuple amx_verify(const std::string& mode) {
+  const int m = mode == "hardware" ? 0 : mode == "emulated" ? 1 : mode == "corrupt" ? 2 : mode == "fault" ? 3 : -1;
+  TORCH_CHECK(m >= 0, "amx_verify: mode must be hardware, emulated, corrupt or fault");
+  std::string why;
+  bool ok;
+  {
+    py::gil_scoped_release nogil;  // the child may take a while; other Python threads go on
+    ok = dw::amx_verify(m, &why);
+  }
+  return py::make_tuple(ok, why);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "weight-only quantized matmul (CPU), the rule of qmm.h on the active path");
   m.def("qmm_kq", &qmm_kq, "the K-quant rule (kquant.h): x @ W^T for Q4_K / Q6_K weights in the x16 layout");
@@ -318,4 +358,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available_isas", &available_isas, "paths compiled in and supported by this CPU, lowest first");
   m.def("isa_table", &isa_table, "every path of core/paths.def, compiled in or not: (name, family, rank)");
   m.def("cpu_features", &cpu_features, "CPU features found by cpuid / getauxval");
+  m.def("amx_status", &amx_status, "(state, reason) of the AMX path");
+  m.def("amx_verify", &amx_verify, "the AMX tile kernel against the reference in a forked child: (identical, reason)");
+  m.def("amx_set_verdict", [](bool ok, const std::string& reason) { dw::amx_set_verdict(ok, reason); },
+        "a cached verdict of amx_verify('hardware') (taken only while the path is unchecked)");
+  m.def("kq_amx", &kq_amx, "the K-quant rule on the AMX tile kernel, any rows, this thread (emulated: any CPU)");
 }
