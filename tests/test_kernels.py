@@ -51,6 +51,10 @@ def path(request):
     """Run the test on one instruction-set path (skipped where this CPU or build lacks it)."""
     if extension() is None:
         pytest.skip("the C++ kernel is not built here")
+    if request.param == "amx" and "amx" not in available_isas():
+        from draftwise.kernels import amx_info
+
+        pytest.skip(f"the amx path cannot run here ({amx_info()['state']}: {amx_info()['reason']})")
     if request.param not in available_isas():
         pytest.skip(f"this CPU cannot run the {request.param} path (has: {', '.join(available_isas())})")
     with using_isa(request.param):
@@ -227,8 +231,8 @@ def test_kernel_builds_here():
 
 
 def test_best_path_is_chosen_by_default():
-    """Without DRAFTWISE_ISA the widest path the CPU supports runs (the scalar path only on CPUs with no SIMD
-    path compiled in)."""
+    """Without DRAFTWISE_ISA the widest path the CPU supports runs (amx only once verified; the scalar path
+    only on CPUs with no SIMD path compiled in)."""
     if os.environ.get("DRAFTWISE_ISA"):
         pytest.skip("DRAFTWISE_ISA is set for this run")
     rank = {p.name: p.rank for p in isa_paths()}

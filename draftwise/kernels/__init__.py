@@ -237,18 +237,72 @@ def extension():
                 _ext_failed, _ext_error = True, str(e).splitlines()[0] if str(e) else type(e).__name__
                 return None
             forced = (settings.forced_isa() or "").strip()
+            _check_amx(_ext, forced)
             if forced and not _ext.set_isa(forced):
                 from ..errors import InvalidParameterError
 
                 have = ", ".join(_ext.available_isas())
-                raise InvalidParameterError(f"DRAFTWISE_ISA={forced!r}: this CPU cannot run that path, or it is unknown "
-                                            f"(available here: {have}; also 'vnni', 'auto')")
+                raise InvalidParameterError(f"DRAFTWISE_ISA={forced!r}: this CPU cannot run that path, or it is unknown"
+                                            f"{_amx_why(_ext, forced)} (available here: {have}; also 'vnni', 'auto')")
             if not forced and settings.tune_kernels():
                 try:
                     _tune_multi(_ext)
                 except Exception as e:  # an unwritable cache, ...: the default path for every call
                     log.warning("draftwise: kernel path tuning skipped (%s: %s)", type(e).__name__, e)
     return _ext
+
+
+def _check_amx(ext, forced: str) -> None:
+    """The AMX path (csrc/arch/x86/amx.h) is used only after its tile kernel gave the scalar reference's bits on this
+    machine: some virtual machines advertise AMX and fault on it. Where cpuid and Linux offer the tiles, the
+    check runs once per kernel build, CPU and host, in a forked child (a fault kills only the child), and
+    its verdict is cached in ``$DRAFTWISE_HOME/kernels``; a refusal is logged with its reason and the
+    K-quant rule stays on AVX512-VNNI. Elsewhere (no AMX: the usual case) nothing runs."""
+    import json
+
+    state, _ = ext.amx_status()
+    if state != "unchecked":
+        return
+    sig = f"{build_name()} {ext.cpu_features()} {_cpu_model()} {platform.node()} {platform.release()}"
+    cache = settings.home() / "kernels" / f"amx-{hashlib.sha256(sig.encode()).hexdigest()[:16]}.json"
+    try:
+        cached = json.loads(cache.read_text())
+        ok, reason = bool(cached["verified"]), str(cached["reason"])
+        ext.amx_set_verdict(ok, reason)
+        fresh = False
+    except (OSError, ValueError, KeyError, TypeError):
+        ok, reason = ext.amx_verify("hardware")
+        fresh = True
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps({"verified": ok, "reason": reason, "signature": sig}))
+        except OSError as e:  # checked again by the next process
+            log.warning("draftwise: the AMX verdict was not cached (%s)", e)
+    if ok:
+        log.info("draftwise: AMX path verified (%s)", reason)
+        if not forced:
+            ext.set_isa("auto")  # the best path again, now that amx may be it
+    else:
+        (log.warning if fresh else log.info)("draftwise: AMX path refused, the K-quant rule stays on avx512vnni: %s",
+                                             reason)
+
+
+def _amx_why(ext, name: str) -> str:
+    """`` (AMX <state>: <reason>)`` when ``name`` is ``amx`` and the path is not usable, else ''."""
+    if name != "amx":
+        return ""
+    state, reason = ext.amx_status()
+    return f" (AMX {state}: {reason})"
+
+
+def amx_info() -> dict:
+    """The AMX path's state (``not built`` / ``unavailable`` / ``unchecked`` / ``verified`` / ``refused``) and
+    why; ``not built`` with the kernel's error when the kernel itself is not built."""
+    ext = extension()
+    if ext is None:
+        return {"state": "not built", "reason": f"the kernel is not built here ({_ext_error})"}
+    state, reason = ext.amx_status()
+    return {"state": state, "reason": reason}
 
 
 MULTI_MARGIN = 0.05  # another path takes the calls of 3+ rows only when it is this much faster
@@ -368,7 +422,7 @@ def set_isa(name: str) -> None:
     if ext is None:
         raise InvalidParameterError(f"the kernel is not built here ({_ext_error})")
     if not ext.set_isa(name):
-        raise InvalidParameterError(f"ISA path {name!r} is unknown or this CPU cannot run it "
+        raise InvalidParameterError(f"ISA path {name!r} is unknown or this CPU cannot run it{_amx_why(ext, name)} "
                                     f"(available: {', '.join(ext.available_isas())})")
 
 
@@ -395,6 +449,8 @@ def kernel_info() -> dict:
             "activations": "fp32" if activation_bits() == 32 else "int8"}
     if ext is not None:
         info["cpu_features"] = ext.cpu_features().split()
+        amx = amx_info()
+        info["amx"] = amx["state"] + (f": {amx['reason']}" if amx["reason"] else "")
     else:
         info["error"] = _ext_error
     return info
