@@ -172,10 +172,16 @@ Detected detect() {
     return {AmxState::kNoCpu, "the OS has not enabled the AMX tile state (XCR0 bits 17-18)"};
 #if defined(__linux__)
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
-    return {AmxState::kNoPermission, std::string("Linux refused the AMX tile data (arch_prctl(ARCH_REQ_XCOMP_PERM, "
-                                                 "XFEATURE_XTILEDATA): ") + std::strerror(errno) +
-                                         "; Linux 5.16 or later grants it)"};
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+    const int e = errno;
+    // ENOSPC: some thread's alternate signal stack (sigaltstack) is too small for the 8 KB of tile state a
+    // signal frame then carries; EINVAL: a kernel before 5.16, which has no such request
+    return {AmxState::kNoPermission,
+            std::string("Linux refused the AMX tile data (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): ") +
+                std::strerror(e) +
+                (e == ENOSPC ? "; a thread's sigaltstack is too small for the tile state)"
+                             : "; Linux 5.16 or later grants it)")};
+  }
   return {AmxState::kUnchecked, "not verified yet"};
 #else
   return {AmxState::kNoPermission, "not Linux: this build has no way to ask for the AMX tile state"};
