@@ -253,11 +253,11 @@ def extension():
 
 
 def _check_amx(ext, forced: str) -> None:
-    """The AMX path (csrc/arch/x86/amx.h) is used only after its tile kernel gave the scalar reference's bits on this
-    machine: some virtual machines advertise AMX and fault on it. Where cpuid and Linux offer the tiles, the
-    check runs once per kernel build, CPU and host, in a forked child (a fault kills only the child), and
-    its verdict is cached in ``$DRAFTWISE_HOME/kernels``; a refusal is logged with its reason and the
-    K-quant rule stays on AVX512-VNNI. Elsewhere (no AMX: the usual case) nothing runs."""
+    """The AMX path (csrc/arch/x86/amx.h) is used only after its tile kernel gave the scalar reference's bits
+    on this machine: some virtual machines advertise AMX and fault on it. Where cpuid and Linux offer the
+    tiles, the check runs once per kernel build, CPU and host, in a forked child (a fault kills only the
+    child), and its verdict is cached in ``$DRAFTWISE_HOME/kernels``; a refusal is logged with its reason and
+    the K-quant rule stays on AVX512-VNNI. Elsewhere (no AMX: the usual case) nothing runs."""
     import json
 
     state, _ = ext.amx_status()
