@@ -24,7 +24,7 @@ from .drafters.draft_model import check_compatible
 from .drafters.registry import TREE_SUFFIX, TREE_WIDTH
 from .drafters.suffix import SuffixCache
 from .errors import IncompatibleModelsError, InvalidParameterError
-from .models import LoadedModel, load_model
+from .models import LoadedModel, default_draft_weights, load_model
 from .models.base import is_encoder_decoder
 from .sampling import SamplingParams
 from .sequence import GenerationStats, Sequence
@@ -79,7 +79,7 @@ class ModelSpec:
     target: str = DEFAULT_TARGET
     draft: str | None = DEFAULT_DRAFT
     dtype: str = "auto"
-    draft_dtype: str | None = None  # None: as dtype
+    draft_dtype: str | None = None  # None: models.default_draft_weights(dtype, backend)
     backend: str = "native"
     skip_layers: str | None = None
     heads: str | None = None
@@ -146,7 +146,7 @@ class SpeculativeDecoder:
         self.dtype, self.backend, self.progress = dtype, backend, progress
         self.skip_layers = skip_layers
         self._skip_plans: dict = {}  # method layerskip: skip set (None: calibrated) -> SkipPlan
-        self.draft_dtype = draft_dtype or dtype
+        self.draft_dtype = draft_dtype or default_draft_weights(dtype, backend)
         self.target = target if isinstance(target, LoadedModel) else load_model(target, dtype, backend, progress)
         self._draft_ref = draft
         self._heads: dict[str, object] = {}

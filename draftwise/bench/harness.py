@@ -68,7 +68,7 @@ class BenchConfig:
     target: str = DEFAULT_TARGET
     draft: str | None = DEFAULT_DRAFT
     dtype: str = "auto"
-    draft_dtype: str | None = None  # None: as dtype
+    draft_dtype: str | None = None  # None: models.default_draft_weights(dtype, backend)
     backend: str = "native"
     gamma: int | str = "auto"
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))

@@ -102,8 +102,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weight format: auto (a GGUF keeps its own quantization, exact; else bf16), gguf, "
                         "int8 / int4 (round-to-nearest, groups of 32), bf16, fp32")
     p.add_argument("--draft-dtype", default=None, choices=WEIGHT_FORMATS,
-                   help="weight format of the draft model (default: as --dtype); its precision only moves the "
-                        "acceptance rate, never the output")
+                   help="weight format of the draft model (default: int4 when the target runs quantized on the "
+                        "native backend, else as --dtype); its precision only moves the acceptance rate, never "
+                        "the output")
     p.add_argument("--backend", default="native", choices=["native", "hf"],
                    help="native PyTorch Llama/Qwen2 (default) or any HF AutoModelForCausalLM")
     add_threads_arg(p)

@@ -97,12 +97,12 @@ def prepare_models(spec: dict) -> None:
     says otherwise) and each replica maps it, so the weight pages are shared between replicas on
     one machine instead of re-packed into each replica's own memory."""
     from ..api import uses_draft_model
-    from ..models import load_model
+    from ..models import default_draft_weights, load_model
 
     m = spec["model"]
     names = [(m["target"], m["dtype"])]
     if uses_draft_model(spec["engine"]["method"]) and m["draft"]:
-        names.append((m["draft"], m["draft_dtype"] or m["dtype"]))
+        names.append((m["draft"], m["draft_dtype"] or default_draft_weights(m["dtype"], m["backend"])))
     for name, dtype in names:
         keep = settings.keep_converted(default=True)  # shared pages by default here
         load_model(name, dtype, m["backend"], progress=True, keep_converted=keep)
