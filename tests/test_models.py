@@ -602,7 +602,7 @@ def test_byte_identical_tokenizers_are_read_once(tmp_path):
         check_compatible(a, c, cfg, TINY.__class__(**{**TINY.to_dict(), "vocab_size": 301}))
 
 
-def test_draft_weights_default_to_int4_for_a_quantized_target(hf_folder):
+def test_draft_weights_default_to_int4_for_a_quantized_target(hf_folder, monkeypatch):
     """A draft is read once per drafted token: without --draft-dtype it runs int4 where the target runs
     quantized on the native backend (its precision moves acceptance only), else in the target's format."""
     from draftwise import SpeculativeDecoder
@@ -611,6 +611,9 @@ def test_draft_weights_default_to_int4_for_a_quantized_target(hf_folder):
     assert [default_draft_weights(d) for d in ("auto", "gguf", "int8", "int4", "bf16", "fp32")] == \
         ["int4", "int4", "int4", "int4", "bf16", "fp32"]
     assert default_draft_weights("auto", "hf") == "auto"
+    monkeypatch.setenv("DRAFTWISE_NO_KERNELS", "1")
+    assert default_draft_weights("gguf") == "gguf"  # no kernel: int4 would run de-quantized, in fp32
+    monkeypatch.delenv("DRAFTWISE_NO_KERNELS")
     target = load_model(str(hf_folder), "bf16", progress=False)
     assert SpeculativeDecoder(target, "some-draft", progress=False).draft_dtype == "int4"
     assert SpeculativeDecoder(target, "some-draft", dtype="fp32", progress=False).draft_dtype == "fp32"

@@ -68,8 +68,11 @@ def default_draft_weights(dtype: str, backend: str = "native") -> str:
     native backend (the draft is read once per drafted token, so its bytes are its cost, and its precision
     only moves the acceptance rate, never the output: on code the 0.5B as int4 (6 bits a weight) drafts
     1.34x ``ar`` against 1.20x as its own Q5_0 / Q8_0 blocks (9 bits a weight in the kernel's code)),
-    else the target's ``dtype``."""
-    return "int4" if backend == "native" and dtype in ("auto", "gguf", "int8", "int4") else dtype
+    else the target's ``dtype`` (also without the C++ kernel, where int4 would be de-quantized to fp32)."""
+    from .. import settings
+
+    quantized = dtype in ("auto", "gguf", "int8", "int4")
+    return "int4" if backend == "native" and quantized and not settings.kernels_disabled() else dtype
 
 
 def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", backend: str = "native",
