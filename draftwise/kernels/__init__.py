@@ -263,8 +263,7 @@ def _check_amx(ext, forced: str) -> None:
     state, _ = ext.amx_status()
     if state != "unchecked":
         return
-    sig = f"{build_name()} {ext.cpu_features()} {_cpu_model()} {platform.node()} {platform.release()}"
-    cache = settings.home() / "kernels" / f"amx-{hashlib.sha256(sig.encode()).hexdigest()[:16]}.json"
+    cache, sig = _machine_cache(ext, "amx", platform.node(), platform.release())
     try:
         cached = json.loads(cache.read_text())
         ok, reason = bool(cached["verified"]), str(cached["reason"])
@@ -274,8 +273,7 @@ def _check_amx(ext, forced: str) -> None:
         ok, reason = ext.amx_verify("hardware")
         fresh = True
         try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps({"verified": ok, "reason": reason, "signature": sig}))
+            _save_cache(cache, {"verified": ok, "reason": reason, "signature": sig})
         except OSError as e:  # checked again by the next process
             log.warning("draftwise: the AMX verdict was not cached (%s)", e)
     if ok:
@@ -323,8 +321,7 @@ def _tune_multi(ext) -> None:
     paths = [p for p in ext.available_isas() if p != "scalar"]
     if len(paths) < 2:
         return
-    sig = f"{build_name()} {ext.cpu_features()} {_cpu_model()} {torch.get_num_threads()}"
-    cache = settings.home() / "kernels" / f"tune-{hashlib.sha256(sig.encode()).hexdigest()[:16]}.json"
+    cache, sig = _machine_cache(ext, "tune", str(torch.get_num_threads()))
     try:
         choice = json.loads(cache.read_text())["multi"]
     except (OSError, ValueError, KeyError):
@@ -334,8 +331,7 @@ def _tune_multi(ext) -> None:
             ext.set_isa(default)
         best = min(times, key=times.get)
         choice = best if times[best] < (1 - MULTI_MARGIN) * times[default] else default
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"multi": choice, "default": default, "seconds": times, "signature": sig}))
+        _save_cache(cache, {"multi": choice, "default": default, "seconds": times, "signature": sig})
     if choice != default and choice in paths:
         ext.set_isa_multi(choice)
 
@@ -383,6 +379,20 @@ def cpu_fields() -> dict[str, str]:
 def cpu_name() -> str:
     """The CPU's name as Linux reports it (else what ``platform`` knows)."""
     return cpu_fields().get("model name") or platform.processor() or platform.machine()
+
+
+def _machine_cache(ext, kind: str, *extra: str) -> tuple[Path, str]:
+    """(file, signature) of a result that holds for this kernel build and CPU (and ``extra``): a JSON file
+    ``<kind>-<hash>.json`` in ``$DRAFTWISE_HOME/kernels`` (the path tuning, the AMX verdict)."""
+    sig = " ".join((build_name(), ext.cpu_features(), _cpu_model(), *extra))
+    return settings.home() / "kernels" / f"{kind}-{hashlib.sha256(sig.encode()).hexdigest()[:16]}.json", sig
+
+
+def _save_cache(path: Path, record: dict) -> None:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
 
 
 def _cpu_model() -> str:
