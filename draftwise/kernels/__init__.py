@@ -216,6 +216,53 @@ def build_name() -> str:
     return f"draftwise_kernels_{platform.machine().lower()}_{h.hexdigest()[:12]}"
 
 
+def _built_record() -> Path:
+    """Where the path of this build's compiled module is noted once built (``$DRAFTWISE_HOME/kernels``)."""
+    return settings.home() / "kernels" / f"built-{build_name()}.json"
+
+
+def _build():
+    """Compile (or find up to date) the extension with torch's builder, and note where its module lies so that
+    later processes import it directly (``_import_built``)."""
+    import json
+    import sys
+
+    from torch.utils.cpp_extension import load
+
+    ext = load(name=build_name(), sources=[str(p) for p in kernel_sources()], extra_include_paths=[str(CSRC)],
+               extra_cflags=CFLAGS, extra_ldflags=["-pthread"], verbose=False)
+    try:
+        _save_cache(_built_record(), {"module": str(Path(ext.__file__).resolve()), "torch": torch.__version__,
+                                      "python": sys.version})
+    except (OSError, AttributeError, TypeError) as e:  # an unwritable home: the next process builds again
+        log.info("draftwise: the kernel's location was not noted (%s)", e)
+    return ext
+
+
+def _import_built():
+    """The module an earlier process built from these very sources and flags (its name is their hash) under
+    this torch and Python, imported directly: torch's builder costs ~0.15 s per process even when there is
+    nothing to build (it imports setuptools and runs ninja). None when there is no such note, or the module
+    is gone or does not import (then ``_build`` runs)."""
+    import importlib.util
+    import json
+    import sys
+
+    try:
+        rec = json.loads(_built_record().read_text())
+        path = Path(rec["module"])
+        if rec["torch"] != torch.__version__ or rec["python"] != sys.version or not path.is_file():
+            return None
+        spec = importlib.util.spec_from_file_location(build_name(), path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.isa()  # a module of the kernel's, callable
+        return mod
+    except Exception as e:  # no note, a module being rebuilt, another ABI, ...: torch's builder decides
+        log.debug("draftwise: no directly importable kernel build (%s: %s)", type(e).__name__, e)
+        return None
+
+
 def extension():
     """The compiled kernel module, or None when it cannot be built here."""
     global _ext, _ext_failed, _ext_error
@@ -227,11 +274,7 @@ def extension():
                 _ext_failed, _ext_error = True, "disabled by DRAFTWISE_NO_KERNELS=1"
                 return None
             try:
-                from torch.utils.cpp_extension import load
-
-                _ext = load(name=build_name(), sources=[str(p) for p in kernel_sources()],
-                            extra_include_paths=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=["-pthread"],
-                            verbose=False)
+                _ext = _import_built() or _build()
             except Exception as e:  # no compiler, no ninja, ...
                 log.warning("draftwise: quantized kernel unavailable (%s); using the slower torch path", e)
                 _ext_failed, _ext_error = True, str(e).splitlines()[0] if str(e) else type(e).__name__

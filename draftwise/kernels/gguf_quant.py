@@ -118,17 +118,30 @@ def parse(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> QCode | None:
     return None
 
 
+# GGML type ids (ggml.h's ``enum ggml_type``; fixed, files depend on them) of the block formats a load meets
+# most: looked up here so that reading a GGUF in place does not import the gguf package (~0.1 s).
+GGML_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
+            "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+
+
+def ggml_type_id(qtype: str) -> int | None:
+    """The GGML type id of the type named ``qtype`` (as gguf's ``GGMLQuantizationType``), None if unknown."""
+    if qtype in GGML_IDS:
+        return GGML_IDS[qtype]
+    from gguf import GGMLQuantizationType
+
+    return int(GGMLQuantizationType[qtype]) if qtype in GGMLQuantizationType.__members__ else None
+
+
 def repack_format(qtype: str) -> tuple[int, int, int, bool] | None:
     """(ggml type id, group, bits, has_min) of the code the kernel's re-packer makes of GGML type ``qtype``
     (csrc/gguf/repack.h), or None when it does not handle it or the kernel is not built."""
-    from gguf import GGMLQuantizationType
-
     from . import extension
 
     ext = extension()
-    if ext is None or qtype not in GGMLQuantizationType.__members__:
+    tid = ggml_type_id(qtype)
+    if ext is None or tid is None:
         return None
-    tid = int(GGMLQuantizationType[qtype])
     fmt = ext.repack_format(tid)
     return None if fmt is None else (tid, *fmt)
 

@@ -121,8 +121,6 @@ def _state_dict(items, cfg: ModelConfig, progress: bool, keep_quantized: bool, d
     """``gguf_state_dict`` over (GGUF name, raw data, type name, shape (out, in)) items; ``done(i)`` is
     called after item i has been read (the in-place loader releases its pages); a quantized matrix named in
     ``into`` is re-packed into that QCode (rows of a fused matrix) instead of becoming entries."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
     from ..kernels.gguf_quant import kq_format, repack
@@ -158,12 +156,24 @@ def _state_dict(items, cfg: ModelConfig, progress: bool, keep_quantized: bool, d
                     sd[f"{name}.{key}"] = _unpermute_rows(val, n_head) if n_head else val
             sd[f"{name}.qmeta"] = torch.tensor([code.group, code.bits])
         else:
-            arr = dequantize(data, GGMLQuantizationType[qtype]).astype(np.float32, copy=False).reshape(shape)
-            w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: never a view of the file
+            w = torch.from_numpy(_dequantize(data, qtype, shape))
             sd[name] = _unpermute_rows(w, n_head) if n_head else w
         if done is not None:
             done(i)
     return sd
+
+
+def _dequantize(data: np.ndarray, qtype: str, shape) -> np.ndarray:
+    """A GGUF tensor's values as a new fp32 array of ``shape`` (a copy: never a view of the file). F32 / F16
+    (norms, biases) directly; other types through the gguf package's de-quantizer."""
+    if qtype in ("F32", "F16"):
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        return raw.view(np.float32 if qtype == "F32" else np.float16).astype(np.float32).reshape(shape)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    arr = dequantize(data, GGMLQuantizationType[qtype]).astype(np.float32, copy=False).reshape(shape)
+    return np.array(arr, dtype=np.float32)
 
 
 _FUSE = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

@@ -31,6 +31,16 @@ def _fused_ops(t: torch.Tensor):
     return extension() if t.dtype == torch.float32 and t.shape[-2] <= EXACT_MAX_T else None
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that skips its random initialisation on the meta device (where a model is built before
+    the checkpoint's tensors replace every weight): ``kaiming_uniform_`` there runs torch's decomposition,
+    ~0.6 ms a layer, ~0.09 s of a 1.5B's load. Elsewhere (``random_model``, tests) it initialises as usual."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -79,8 +89,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
-        self.o = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.qkv = Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
+        self.o = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, start: list[int], tree: "TreeMask | None") -> torch.Tensor:
@@ -158,8 +168,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ffn = cfg.intermediate_size
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)  # (B, T, 2 F)
@@ -193,7 +203,7 @@ class Transformer(nn.Module):
                                   _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.requires_grad_(False)
 
@@ -280,7 +290,7 @@ def _linear(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype, bias: st
     if storage is not None and sd[name].shape[1] % 16 == 0:
         return QLinear.dense(sd[name].to(storage), b)
     w = sd[name].to(dtype)
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    lin = Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
     lin.weight = nn.Parameter(w, requires_grad=False)
     if b is not None:
         lin.bias = nn.Parameter(b.to(dtype), requires_grad=False)
@@ -325,7 +335,7 @@ def _fuse(parts: list[nn.Module]) -> nn.Module:
                                  m.group, m.bits, None if m.bias is None else torch.cat([prev.bias, m.bias]))
         else:
             w = torch.cat([prev.weight, m.weight])
-            lin = nn.Linear(w.shape[1], w.shape[0], bias=m.bias is not None, device="meta")
+            lin = Linear(w.shape[1], w.shape[0], bias=m.bias is not None, device="meta")
             lin.weight = nn.Parameter(w, requires_grad=False)
             if m.bias is not None:
                 lin.bias = nn.Parameter(torch.cat([prev.bias, m.bias]), requires_grad=False)
@@ -424,7 +434,7 @@ def from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.
         else None
     model.embed = _embedding(sd, emb, dtype, model.lm_head if head == emb else None)
     if model.lm_head is None:  # tied, dense: share the table
-        model.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+        model.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
         model.lm_head.weight = model.embed.weight
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."

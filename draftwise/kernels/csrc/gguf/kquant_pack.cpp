@@ -1,5 +1,6 @@
 // GGUF Q4_K / Q6_K rows -> the K-quant rule's x16 layout (core/kquant.h), at load time: the file's own
 // bytes re-laid out 16 columns to a tile, the packed 6-bit scales unpacked, nothing re-quantized.
+#include <algorithm>
 #include <cstring>
 
 #include "core/kquant.h"
@@ -7,57 +8,70 @@
 
 namespace dw {
 
+namespace {
+
+// GGUF block_q4_K (d, dmin fp16; scales[12]: 6-bit sc / m packed; qs[128]) -> column c of its tile
+inline void put_q4k(const uint8_t* g, uint8_t* blk, int c) {
+  std::memcpy(blk + KQ4_D + 2 * c, g, 2);
+  std::memcpy(blk + KQ4_DMIN + 2 * c, g + 2, 2);
+  const uint8_t* s = g + 4;
+  for (int j = 0; j < 8; ++j) {
+    uint8_t sc, mn;
+    if (j < 4) {
+      sc = s[j] & 63, mn = s[j + 4] & 63;
+    } else {
+      sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+    blk[KQ4_SC + 16 * j + c] = sc;
+    blk[KQ4_M + 16 * j + c] = mn;
+  }
+  for (int gi = 0; gi < 32; ++gi) std::memcpy(blk + KQ4_QS + (gi * 16 + c) * 4, g + 16 + 4 * gi, 4);
+}
+
+// GGUF block_q6_K (ql[128], qh[64], scales[16] int8, d fp16) -> column c of its tile
+inline void put_q6k(const uint8_t* g, uint8_t* blk, int c) {
+  for (int gi = 0; gi < 32; ++gi) std::memcpy(blk + KQ6_QL + (gi * 16 + c) * 4, g + 4 * gi, 4);
+  for (int gi = 0; gi < 16; ++gi) std::memcpy(blk + KQ6_QH + (gi * 16 + c) * 4, g + 128 + 4 * gi, 4);
+  for (int j = 0; j < 16; ++j) blk[KQ6_SC + 16 * j + c] = g[192 + j];
+  std::memcpy(blk + KQ6_D + 2 * c, g + 208, 2);
+}
+
+// column c of a tile all zeros (a padding column past the matrix's last row)
+inline void zero_col(int fmt, uint8_t* blk, int c) {
+  if (fmt == kKq4) {
+    for (int gi = 0; gi < 32; ++gi) std::memset(blk + KQ4_QS + (gi * 16 + c) * 4, 0, 4);
+    for (int j = 0; j < 8; ++j) blk[KQ4_SC + 16 * j + c] = blk[KQ4_M + 16 * j + c] = 0;
+    std::memset(blk + KQ4_D + 2 * c, 0, 2);
+    std::memset(blk + KQ4_DMIN + 2 * c, 0, 2);
+  } else {
+    for (int gi = 0; gi < 32; ++gi) std::memset(blk + KQ6_QL + (gi * 16 + c) * 4, 0, 4);
+    for (int gi = 0; gi < 16; ++gi) std::memset(blk + KQ6_QH + (gi * 16 + c) * 4, 0, 4);
+    for (int j = 0; j < 16; ++j) blk[KQ6_SC + 16 * j + c] = 0;
+    std::memset(blk + KQ6_D + 2 * c, 0, 2);
+  }
+}
+
+}  // namespace
+
+// Tile by tile, and within a tile super-block by super-block: each tile (2.3-3.4 KB) is written whole while
+// it sits in L1, from the 16 rows' blocks (row by row instead, a 8960-wide matrix's row touches 35 tiles,
+// 80 KB, per pass). Rows n0..n1 only; the range holding the last row (N - 1) zeroes the padding columns,
+// and the one holding a tile's column 15 (or the last row) Q6_K's pad bytes — so ranges may split tiles.
 void kq_pack_rows(int fmt, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int64_t n0, int64_t n1) {
   const int64_t nb = K / QK, tile = kq_tile_bytes(fmt), gbytes = fmt == kKq4 ? 144 : 210;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int c = (int)(n % KQ_COLS);
+  for (int64_t t = n0 / KQ_COLS; t * KQ_COLS < n1; ++t) {
+    const int64_t base = t * KQ_COLS, r0 = std::max(n0, base), r1 = std::min(n1, base + KQ_COLS);
+    const bool last = r1 == N, pad6 = fmt == kKq6 && (r1 == base + KQ_COLS || last);
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* g = src + (n * nb + b) * gbytes;
-      uint8_t* blk = dst + ((n / KQ_COLS) * nb + b) * tile;
-      if (fmt == kKq4) {
-        // GGUF block_q4_K: d, dmin (fp16), scales[12] (6-bit sc / m packed), qs[128]
-        std::memcpy(blk + KQ4_D + 2 * c, g, 2);
-        std::memcpy(blk + KQ4_DMIN + 2 * c, g + 2, 2);
-        const uint8_t* s = g + 4;
-        for (int j = 0; j < 8; ++j) {
-          uint8_t sc, mn;
-          if (j < 4) {
-            sc = s[j] & 63, mn = s[j + 4] & 63;
-          } else {
-            sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-            mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-          }
-          blk[KQ4_SC + 16 * j + c] = sc;
-          blk[KQ4_M + 16 * j + c] = mn;
-        }
-        for (int gi = 0; gi < 32; ++gi) std::memcpy(blk + KQ4_QS + (gi * 16 + c) * 4, g + 16 + 4 * gi, 4);
-      } else {
-        // GGUF block_q6_K: ql[128], qh[64], scales[16] (int8), d (fp16)
-        for (int gi = 0; gi < 32; ++gi) std::memcpy(blk + KQ6_QL + (gi * 16 + c) * 4, g + 4 * gi, 4);
-        for (int gi = 0; gi < 16; ++gi) std::memcpy(blk + KQ6_QH + (gi * 16 + c) * 4, g + 128 + 4 * gi, 4);
-        for (int j = 0; j < 16; ++j) blk[KQ6_SC + 16 * j + c] = g[192 + j];
-        std::memcpy(blk + KQ6_D + 2 * c, g + 208, 2);
+      uint8_t* blk = dst + (t * nb + b) * tile;
+      for (int64_t n = r0; n < r1; ++n) {
+        const uint8_t* g = src + (n * nb + b) * gbytes;
+        if (fmt == kKq4) put_q4k(g, blk, (int)(n - base));
+        else put_q6k(g, blk, (int)(n - base));
       }
-    }
-    // the tile holding the last column zeroes its padding columns (and Q6_K's pad bytes)
-    if (n == N - 1 || (fmt == kKq6 && c == KQ_COLS - 1)) {
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* blk = dst + ((n / KQ_COLS) * nb + b) * tile;
-        if (fmt == kKq6) std::memset(blk + KQ6_D + 32, 0, tile - KQ6_D - 32);
-        for (int pc = c + 1; pc < KQ_COLS && n == N - 1; ++pc) {
-          if (fmt == kKq4) {
-            for (int gi = 0; gi < 32; ++gi) std::memset(blk + KQ4_QS + (gi * 16 + pc) * 4, 0, 4);
-            for (int j = 0; j < 8; ++j) blk[KQ4_SC + 16 * j + pc] = blk[KQ4_M + 16 * j + pc] = 0;
-            std::memset(blk + KQ4_D + 2 * pc, 0, 2);
-            std::memset(blk + KQ4_DMIN + 2 * pc, 0, 2);
-          } else {
-            for (int gi = 0; gi < 32; ++gi) std::memset(blk + KQ6_QL + (gi * 16 + pc) * 4, 0, 4);
-            for (int gi = 0; gi < 16; ++gi) std::memset(blk + KQ6_QH + (gi * 16 + pc) * 4, 0, 4);
-            for (int j = 0; j < 16; ++j) blk[KQ6_SC + 16 * j + pc] = 0;
-            std::memset(blk + KQ6_D + 2 * pc, 0, 2);
-          }
-        }
-      }
+      for (int64_t c = N - base; last && c < KQ_COLS; ++c) zero_col(fmt, blk, (int)c);
+      if (pad6) std::memset(blk + KQ6_D + 32, 0, tile - KQ6_D - 32);
     }
   }
 }

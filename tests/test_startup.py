@@ -1,0 +1,96 @@
+"""Start-up: what ``load_model`` spends its time on, kept short — the kernel imported directly once built,
+no gguf import for reading a GGUF in place, no random init of layers the checkpoint replaces, no garbage
+collection while loading, the tokenizer read on a spare core meanwhile."""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+import pytest
+import torch
+
+from draftwise import kernels, memory
+
+
+def test_ggml_ids_are_the_gguf_packages():
+    from gguf import GGMLQuantizationType
+
+    from draftwise.kernels.gguf_quant import GGML_IDS, ggml_type_id
+
+    assert all(int(GGMLQuantizationType[k]) == v for k, v in GGML_IDS.items())
+    assert ggml_type_id("IQ4_NL") == int(GGMLQuantizationType.IQ4_NL)  # one not in the table: from gguf
+    assert ggml_type_id("NOT_A_TYPE") is None
+
+
+def test_the_built_kernel_is_imported_directly(tmp_path, monkeypatch):
+    """Once built, a process imports the module its note names (no torch builder); a note for another
+    torch, or naming a missing file, sends it back to the builder (None here)."""
+    ext = kernels.extension()
+    if ext is None:
+        pytest.skip("the kernel is not built here")
+    monkeypatch.setattr(kernels, "_built_record", lambda: tmp_path / "built.json")
+    assert kernels._import_built() is None  # no note
+    rec = {"module": ext.__file__, "torch": torch.__version__, "python": sys.version}
+    (tmp_path / "built.json").write_text(json.dumps(rec))
+    mod = kernels._import_built()
+    assert mod is not None and mod.isa() == ext.isa() and mod.available_isas() == ext.available_isas()
+    for bad in ({**rec, "torch": "0.0.1"}, {**rec, "module": str(tmp_path / "gone.so")}, {"module": 3}):
+        (tmp_path / "built.json").write_text(json.dumps(bad))
+        assert kernels._import_built() is None
+    (tmp_path / "built.json").write_text("{not json")
+    assert kernels._import_built() is None
+
+
+def test_meta_layers_skip_their_random_init(monkeypatch):
+    from draftwise.models import transformer
+
+    calls = []
+    monkeypatch.setattr(torch.nn.Linear, "reset_parameters", lambda self: calls.append(self.weight.device.type))
+    with torch.device("meta"):
+        transformer.Linear(8, 4)
+    assert calls == []  # the checkpoint replaces the weight: nothing drawn
+    transformer.Linear(8, 4)
+    assert calls == ["cpu"]  # a real layer initialises as nn.Linear does
+
+
+def test_gc_paused_restores_the_collector():
+    assert gc.isenabled()
+    with memory.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with memory.gc_paused():
+            pass
+        assert not gc.isenabled()  # off before: stays off
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError), memory.gc_paused():
+        raise ValueError
+    assert gc.isenabled()
+
+
+def test_tokenizer_read_meanwhile_on_a_spare_core(hf_folder, monkeypatch):
+    """With a core to spare the tokenizer is read on a thread while the weights load, and is the same one
+    (ids, end-of-sequence set) the plain path gives; without one it is read after the weights."""
+    import draftwise.models as models
+
+    started = []
+    real = models._read_tokenizer_meanwhile
+
+    def spy(folder):
+        fut = real(folder)
+        started.append(fut is not None)
+        return fut
+
+    monkeypatch.setattr(models, "_read_tokenizer_meanwhile", spy)
+    monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    a = models.load_model(str(hf_folder), "fp32", progress=False)
+    monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    b = models.load_model(str(hf_folder), "fp32", progress=False)
+    assert started == [True, False]
+    text = "def f(x):\n    return x * 2  # héllo"
+    assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
+    assert a.tokenizer.eos_ids == b.tokenizer.eos_ids
