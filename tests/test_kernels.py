@@ -34,7 +34,7 @@ GOLDEN = {
     "layers": "485e940ff23acc4f",
     "gguf-repack": "2d6efd8a06d30a86",  # csrc/gguf/repack.h over random blocks of every format (tested against numpy too)
     # the K-quant rule (csrc/core/kquant.h): the x16 layout of random Q4_K / Q6_K blocks and the reference's outputs
-    "kquant-q4k": "b80f1fd0d9119acb", "kquant-q6k": "f2a76e6666743f4e",
+    "kquant-q4k": "b405ec6ce721fd6a", "kquant-q6k": "16cf73402510a2ff",
 }
 
 

@@ -100,15 +100,17 @@ torch::Tensor kq_call(const char* what, torch::Tensor x, torch::Tensor w, int64_
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * (K / dw::QK));
   std::vector<int32_t> b16n(M * (K / 16)), b32(M * (K / 32));
+  std::vector<uint8_t> e(M * (K / 32));
   const float* xp = x.data_ptr<float>();
+  const dw::IsaOps* ops = dw::active();  // its act_k: act_q8k's bits on this path's vectors
   dw::parallel_for(M, 1, kernel_threads(), [&](int64_t m0, int64_t m1) {
-    dw::act_q8k(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * (K / dw::QK), b16n.data() + m0 * (K / 16),
-                b32.data() + m0 * (K / 32));
+    ops->act_k(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * (K / dw::QK), b16n.data() + m0 * (K / 16),
+               b32.data() + m0 * (K / 32), e.data() + m0 * (K / 32));
   });
   dw::KqArgs a{};
   a.M = M, a.K = K, a.N = N, a.fmt = (int)fmt;
   a.w = w.data_ptr<uint8_t>();
-  a.act = {q.data(), d.data(), b16n.data(), b32.data()};
+  a.act = {q.data(), d.data(), b16n.data(), b32.data(), e.data()};
   a.out = out.data_ptr<float>();
   run(a);
   return out;

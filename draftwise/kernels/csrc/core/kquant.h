@@ -18,22 +18,30 @@
 //   Bytes per column and super-block: Q4_K 148 (GGUF: 144; the packed 6-bit scales are unpacked),
 //   Q6_K 212 (GGUF: 210).
 //
-// ACTIVATIONS (act_q8k): each row is quantized in blocks of 256: dx = amax / 127 and
-//   qx = round_even(x * (127 / amax)) (0 where amax = 0), as qmm.h's blocks of 32 but over 256 values.
-//   With them: b16n[j] = -32 * (sum of qx over values 16j..16j+15) and b32[j] = sum over 32j..32j+31.
+// ACTIVATIONS (act_q8k): each row is quantized in super-blocks of 256 with one scale, refined per block of 32
+//   by a power of two (llama.cpp's Q8_K has the one scale only; outlier channels then leave the other
+//   blocks a few codes: the refinement gives them up to 3 more bits, in integer arithmetic):
+//     amax = max |x| over the 256, inv = 127 / amax (0 where amax = 0);
+//     for each block j of 32: a_j = max |x| over it, s_j = the largest s in 0..3 with a_j * 2^s <= amax
+//       (exact: scaling by 2^s is exact), e_j = 3 - s_j (the block's products' left shift, act.e);
+//       qx = round_even(x * (inv * 2^s_j)), |qx| <= 127 (the product rounds once, monotonically);
+//     dx = (amax / 127) * 0.125 (act.d: the value of one code of a block with e_j = 0, i.e. shifted by 3).
+//   So x ~= qx * 2^e_j * dx. With the codes: b16n[j] = -32 * (sum of qx over values 16j..16j+15), and
+//   b32[j] = (sum of qx over 32j..32j+31) << e_j.
 //
 // THE RULE (bit-identical on every path and for any number of rows; integer sums are exact in any order):
 //   For each (row, column), acc = 0, then for each super-block b in k order:
-//   Q4_K: S  = sum_j sc_j * (sum over sub-block j (32 weights) of q_k * qx_k)          (int32, exact)
+//   Q4_K: S  = sum_j sc_j * ((sum over sub-block j (32 weights) of q_k * qx_k) << e_j)  (int32, exact)
 //         Mn = sum_j m_j * b32_j                                                       (int32, exact)
 //         acc = fma(float(S), d * dx, acc); acc = fma(float(Mn), -(dmin * dx), acc)
-//   Q6_K: u_k = q_k + 32 in [0, 63] (the file's 6-bit code);
-//         S  = sum_j sc_j * (sum over sub-block j (16 weights) of u_k * qx_k + b16n_j)  (int32, exact)
+//   Q6_K: u_k = q_k + 32 in [0, 63] (the file's 6-bit code); sub-block j (16 weights) lies in block j / 2:
+//         S  = sum_j sc_j * ((sum over sub-block j of u_k * qx_k + b16n_j) << e_{j/2})  (int32, exact)
 //         acc = fma(float(S), d * dx, acc)
 //   out = acc. (d, dmin: fp16 -> fp32 exactly; d * dx one rounding; float(int32) rounds to nearest even.)
 //   No float operation depends on how the columns or rows are grouped into registers, so every path
 //   keeps the 16 columns of a tile in vector lanes and computes exactly these scalar chains.
-// Ranges: |S| < 2^25 (Q4_K: 8 * 63 * 32 * 15 * 127; Q6_K: 16 * 128 * 16 * 32 * 127 < 2^27): no overflow.
+// Ranges: |S| < 2^31 (Q4_K: 8 * 63 * 32 * 15 * 127 * 8 < 2^28; Q6_K: 16 * 128 * 16 * 32 * 127 * 8 < 2^30.1),
+//   |Mn| < 2^24: no overflow.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -59,7 +67,8 @@ struct ActQ8K {
   const int8_t* q;      // (M, K) natural order
   const float* d;       // (M, K / 256)
   const int32_t* b16n;  // (M, K / 16) -32 * sums over 16
-  const int32_t* b32;   // (M, K / 32) sums over 32
+  const int32_t* b32;   // (M, K / 32) sums over 32, shifted left by e
+  const uint8_t* e;     // (M, K / 32) left shift (0..3) of each block of 32's products
 };
 
 struct KqArgs {
@@ -71,7 +80,7 @@ struct KqArgs {
 };
 
 // the reference quantization (every path uses it: the same bits everywhere)
-void act_q8k(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32);
+void act_q8k(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32, uint8_t* e);
 // the reference product for tiles t0..t1 (the rule written out one column at a time)
 void kq_ref(const KqArgs& a, int64_t t0, int64_t t1);
 // (GGUF rows -> this layout: kq_pack_rows, gguf/repack.h)

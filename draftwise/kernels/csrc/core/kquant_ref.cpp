@@ -9,31 +9,37 @@
 
 namespace dw {
 
-void act_q8k(const float* xp, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32) {
+void act_q8k(const float* xp, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32, uint8_t* e) {
   const int64_t nb = K / QK;
   for (int64_t i = 0; i < M; ++i) {
     const float* x = xp + i * K;
     int8_t* qi = q + i * K;
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + b * QK;
-      float amax = 0.f;
+      float amax = 0.f, a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int64_t k = 0; k < QK; ++k) {
         const float v = std::fabs(xb[k]);
-        amax = v > amax ? v : amax;  // NaN never wins
+        a[k / 32] = v > a[k / 32] ? v : a[k / 32];  // NaN never wins
       }
+      for (int j = 0; j < 8; ++j) amax = a[j] > amax ? a[j] : amax;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      d[i * nb + b] = amax / 127.f;
+      d[i * nb + b] = (amax / 127.f) * 0.125f;
       int8_t* qb = qi + b * QK;
-      for (int64_t k = 0; k < QK; ++k) qb[k] = (int8_t)round_even(xb[k] * inv);
+      for (int j = 0; j < 8; ++j) {
+        int s = 0;
+        while (s < 3 && a[j] * (float)(2 << s) <= amax) ++s;  // a_j * 2^(s+1) <= amax: one more doubling
+        const float mul = inv * (float)(1 << s);
+        for (int64_t k = 32 * j; k < 32 * j + 32; ++k) qb[k] = (int8_t)round_even(xb[k] * mul);
+        const int sh = 3 - s;
+        e[i * (K / 32) + b * 8 + j] = (uint8_t)sh;
+        int32_t sum = 0;
+        for (int64_t k = 32 * j; k < 32 * j + 32; ++k) sum += qb[k];
+        b32[i * (K / 32) + b * 8 + j] = sum * (1 << sh);
+      }
       for (int64_t j = 0; j < QK / 16; ++j) {
         int32_t s = 0;
         for (int64_t k = 16 * j; k < 16 * j + 16; ++k) s += qb[k];
         b16n[i * (K / 16) + b * 16 + j] = -32 * s;
-      }
-      for (int64_t j = 0; j < QK / 32; ++j) {
-        int32_t s = 0;
-        for (int64_t k = 32 * j; k < 32 * j + 32; ++k) s += qb[k];
-        b32[i * (K / 32) + b * 8 + j] = s;
       }
     }
   }
@@ -79,12 +85,13 @@ void kq_ref(const KqArgs& a, int64_t t0, int64_t t1) {
         const uint8_t* blk = block_of(a.w, a.fmt, K, n, b, &c);
         const float dx = a.act.d[m * nb + b];
         const int8_t* xb = x + b * QK;
+        const uint8_t* ex = a.act.e + m * (K / 32) + 8 * b;  // the shifts of the super-block's 8 blocks
         if (a.fmt == kKq4) {
           int32_t S = 0, Mn = 0;
           for (int j = 0; j < 8; ++j) {
             int32_t I = 0;
             for (int v = 32 * j; v < 32 * j + 32; ++v) I += q4_code(blk, c, v) * xb[v];
-            S += (int32_t)blk[KQ4_SC + 16 * j + c] * I;
+            S += (int32_t)blk[KQ4_SC + 16 * j + c] * (I * (1 << ex[j]));
             Mn += (int32_t)blk[KQ4_M + 16 * j + c] * a.act.b32[m * (K / 32) + 8 * b + j];
           }
           const float d = h2f(blk + KQ4_D + 2 * c), dmin = h2f(blk + KQ4_DMIN + 2 * c);
@@ -95,7 +102,7 @@ void kq_ref(const KqArgs& a, int64_t t0, int64_t t1) {
           for (int j = 0; j < 16; ++j) {
             int32_t I = a.act.b16n[m * (K / 16) + 16 * b + j];
             for (int v = 16 * j; v < 16 * j + 16; ++v) I += q6_code(blk, c, v) * xb[v];
-            S += (int32_t)(int8_t)blk[KQ6_SC + 16 * j + c] * I;
+            S += (int32_t)(int8_t)blk[KQ6_SC + 16 * j + c] * (I * (1 << ex[j / 2]));
           }
           acc = std::fma((float)S, h2f(blk + KQ6_D + 2 * c) * dx, acc);
         }

@@ -78,8 +78,9 @@ struct IsaOps {
   void (*attend_groups)(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B,
                         int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, float* out,
                         int64_t i0, int64_t i1, float* scratch, const int64_t* vis, const int64_t* nvis);
-  // the K-quant rule (kquant.h) over tiles t0..t1 of 16 columns
+  // the K-quant rule (kquant.h) over tiles t0..t1 of 16 columns, and its activations (act_q8k's bits)
   void (*qmm_k)(const KqArgs& a, int64_t t0, int64_t t1);
+  void (*act_k)(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32, uint8_t* e);
 };
 
 // int8 activations apply when the code rows split into whole 32-byte half steps

@@ -276,14 +276,26 @@ int check_kquant(const char* const* names, int npaths) {
       for (auto& v : x) v = next_f() * 3.0f;
       for (int64_t k = 0; k < 256; ++k) x[k] = 0.f;  // an all-zero activation block
       x[K + 5] = 1e4f;                                // a block with one huge value
+      for (int64_t k = 0; k < 256; ++k) x[2 * K + k] *= std::ldexp(1.0f, -(int)(k / 32));  // blocks of 32 at 2^-j:
+      x[3 * K + 40] = 40.f;  // shifts 3, 2, 1, 0, 0, ...; an outlier: the rest of its super-block refined by 2^3
       auto run = [&](const dw::IsaOps* ops, const float* xp, int64_t rows) {
         std::vector<int8_t> q(rows * K);
         std::vector<float> d(rows * nb), out(rows * N);
         std::vector<int32_t> b16n(rows * (K / 16)), b32(rows * (K / 32));
-        dw::act_q8k(xp, rows, K, q.data(), d.data(), b16n.data(), b32.data());
+        std::vector<uint8_t> e(rows * (K / 32));
+        ops->act_k(xp, rows, K, q.data(), d.data(), b16n.data(), b32.data(), e.data());
+        std::vector<int8_t> rq(rows * K);  // the path's activations: the reference's, every array
+        std::vector<float> rd(rows * nb);
+        std::vector<int32_t> r16(rows * (K / 16)), r32(rows * (K / 32));
+        std::vector<uint8_t> re(rows * (K / 32));
+        dw::act_q8k(xp, rows, K, rq.data(), rd.data(), r16.data(), r32.data(), re.data());
+        if (rq != q || std::memcmp(rd.data(), d.data(), d.size() * 4) || r16 != b16n || r32 != b32 || re != e) {
+          std::printf("MISMATCH act_k on path %s\n", ops->name);
+          ok = false;
+        }
         dw::KqArgs a{};
         a.M = rows, a.K = K, a.N = N, a.fmt = fmt, a.w = w.data(), a.out = out.data();
-        a.act = {q.data(), d.data(), b16n.data(), b32.data()};
+        a.act = {q.data(), d.data(), b16n.data(), b32.data(), e.data()};
         const int64_t tiles = dw::kq_tiles(N);
         ops->qmm_k(a, 0, 1);
         ops->qmm_k(a, 1, tiles);

@@ -131,6 +131,7 @@ struct EmuLanes {
   static I izero() { return set32(0); }
   static I add(I a, I b) { for (int l = 0; l < 16; ++l) a.v[l] = (int32_t)((uint32_t)a.v[l] + (uint32_t)b.v[l]); return a; }
   static I mul(I a, I b) { for (int l = 0; l < 16; ++l) a.v[l] = (int32_t)((uint32_t)a.v[l] * (uint32_t)b.v[l]); return a; }
+  static I sllv(I a, I n) { for (int l = 0; l < 16; ++l) a.v[l] = (int32_t)((uint32_t)a.v[l] << n.v[l]); return a; }
   static F cvt(I a) { F r; for (int l = 0; l < 16; ++l) r.v[l] = (float)a.v[l]; return r; }
   static F h2f(const uint8_t* p) {
     F r;

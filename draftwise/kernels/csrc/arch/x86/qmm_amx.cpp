@@ -2,6 +2,7 @@
 // detection (cpuid, XCR0, Linux's permission) and the bit-for-bit check in a forked child.
 #include "arch/x86/amx.h"
 
+#include <cmath>
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -115,6 +116,7 @@ struct Lanes {  // 16 lanes in one zmm register
   static I izero() { return _mm512_setzero_si512(); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I mul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I sllv(I a, I n) { return _mm512_sllv_epi32(a, n); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static F h2f(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static F fset(float v) { return _mm512_set1_ps(v); }
@@ -241,12 +243,15 @@ std::string check_kernel(Kernel kernel, bool flip) {
       kq_pack_rows(fmt, src.data(), N, K, w.data(), 0, N);
       std::vector<float> x(M * K);
       for (auto& v : x) v = ((float)(u32() >> 8) / 16777216.0f - 0.5f) * 6.0f;
+      for (int64_t m = 0; m < M; m += 3)  // every third row: its blocks of 32 at 2^-(j % 5), refined by shifts 0..3
+        for (int64_t k = 0; k < K; ++k) x[m * K + k] = std::ldexp(x[m * K + k], -(int)((k / 32) % 5));
       std::vector<int8_t> q(M * K);
       std::vector<float> d(M * nb), ref(M * N), out(M * N);
       std::vector<int32_t> b16n(M * (K / 16)), b32(M * (K / 32));
-      act_q8k(x.data(), M, K, q.data(), d.data(), b16n.data(), b32.data());
+      std::vector<uint8_t> e(M * (K / 32));
+      act_q8k(x.data(), M, K, q.data(), d.data(), b16n.data(), b32.data(), e.data());
       KqArgs a{};
-      a.M = M, a.K = K, a.N = N, a.fmt = fmt, a.w = w.data(), a.act = {q.data(), d.data(), b16n.data(), b32.data()};
+      a.M = M, a.K = K, a.N = N, a.fmt = fmt, a.w = w.data(), a.act = {q.data(), d.data(), b16n.data(), b32.data(), e.data()};
       a.out = ref.data();
       kq_ref(a, 0, kq_tiles(N));
       for (int64_t m = 1; m <= M; m = m == 33 ? M : m + 1) {
