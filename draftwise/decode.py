@@ -118,6 +118,9 @@ class Decoder:
             raise InvalidParameterError(f"the {drafter.name} drafter reads the target's inner layers, which this "
                                         "backend does not give; use the native backend")
         self._taps = {"taps": taps} if taps else {}
+        self.ragged = bool(getattr(target, "supports_lengths", False))  # the pass runs each row's own tokens
+        if hasattr(self.gamma, "packed"):  # a policy pricing steps by the tokens fed (AdaptiveGamma)
+            self.gamma.packed = self.ragged
         self.running: list[Sequence] = []
 
     @property
@@ -197,18 +200,22 @@ class Decoder:
         T = 1 + max(len(d.tokens) for d in drafts)
         n_before = [len(s.tokens) for s in seqs]
         view = self.cache.view(slice(0, B))
+        # rows that drafted fewer tokens than the longest (or none) cost only their own tokens in the pass
+        ragged = {"lengths": [1 + len(d.tokens) for d in drafts]} \
+            if self.ragged and any(1 + len(d.tokens) < T for d in drafts) else {}
         if any(d.is_tree for d in drafts):
             x, positions, mask = tree_inputs(
                 [[s.tokens[-1]] + d.tokens for s, d in zip(seqs, drafts)],
                 [[-1] + [q + 1 for q in (d.parents or range(-1, len(d.tokens) - 1))] for d in drafts],
                 [n - 1 for n in n_before])
-            out = self.target.forward(x, view, positions=positions, attn_mask=mask, logits_for="all", **self._taps)
+            out = self.target.forward(x, view, positions=positions, attn_mask=mask, logits_for="all", **ragged,
+                                      **self._taps)
         else:
             x = torch.zeros(B, T, dtype=torch.long)
             for i, (s, d) in enumerate(zip(seqs, drafts)):
                 x[i, 0] = s.tokens[-1]
                 x[i, 1:1 + len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
-            out = self.target.forward(x, view, logits_for="all", **self._taps)
+            out = self.target.forward(x, view, logits_for="all", **ragged, **self._taps)
         logits = out.logits  # (B, T, V)
         hidden = _features(out)  # (B, T, D) or (B, T, D * (1 + taps))
         # per sequence from here on: an exception fails that sequence alone (seq.error), not the batch

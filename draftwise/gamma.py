@@ -106,6 +106,9 @@ class AdaptiveGamma:
         self._asked: list[tuple[Sequence, int, int]] = []  # (row, drafts asked, its drafted count before)
         self.last = self.best = max_gamma
         self._prev_k = max_gamma  # γ of the step before the latest
+        # whether the target's pass runs each row's own tokens only (a packed, ragged batch: the native model;
+        # the Decoder sets it): then a step costs the drafts the rows really fed, else B·(longest + 1) tokens
+        self.packed = False
         self.predicted = 0.0
 
     def set_pass_cost(self, pass_cost: Callable[[int], float] | None) -> None:
@@ -135,7 +138,8 @@ class AdaptiveGamma:
             self._rows[id(s)] = row if row is not None and row[0] is s else (s, Acceptance())
         limits = [self._row_limit(s) for s in seqs]
         accepted = [self.accepted_by_length(s) for s in seqs]
-        rates = [self._rate(B, k, limits, accepted) for k in range(self.max_gamma + 1)]
+        pis = [self.row_rates(s)[1] for s in seqs]
+        rates = [self._rate(B, k, limits, accepted, pis) for k in range(self.max_gamma + 1)]
         k = self.best = int(np.argmax(rates))
         if self.ready is not None and not self.ready(seqs):  # the drafter cannot draft for this batch now
             k = 0
@@ -169,12 +173,14 @@ class AdaptiveGamma:
         # it skipped (a draft model's cache), which is not the cost of drafting k tokens: leave it out of
         # the fit, or one exploration after a run of γ = 0 steps makes drafting look expensive for good.
         if not (self._prev_k == 0 and self.last > 0):
-            self.prime(len(accepted), self.last, step_s)  # the draft length the step really had
+            fed = sum(s.stats.drafted - before for s, _, before in self._asked) if self.packed else None
+            self.prime(len(accepted), self.last, step_s, fed)  # the draft length the step really had
         self._prev_k = self.last
 
-    def prime(self, B: int, k: int, seconds: float) -> None:
-        """Add a measured step cost (B rows drafting k tokens each) to the cost fit without a step."""
-        phi = self._features(B, k)
+    def prime(self, B: int, k: int, seconds: float, fed: int | None = None) -> None:
+        """Add a measured step cost (B rows drafting up to k tokens each, ``fed`` drafted tokens in all;
+        None: B·k) to the cost fit without a step."""
+        phi = self._features(B, k, fed)
         self._A = self.decay * self._A + np.outer(phi, phi)
         self._b = self.decay * self._b + phi * seconds
         self._n = self.decay * self._n + 1.0
@@ -203,8 +209,9 @@ class AdaptiveGamma:
         alpha, pi = (self.acceptance_rate, self.proposal_rate) if seq is None else self.row_rates(seq)
         return np.array([pi * expected_accepted(alpha, j) for j in range(self.max_gamma + 1)])
 
-    def cost(self, B: int, k: int) -> float:
-        """Predicted seconds of a step with B rows drafting k tokens each (0 before any observation)."""
+    def cost(self, B: int, k: int, fed: float | None = None) -> float:
+        """Predicted seconds of a step with B rows drafting up to k tokens each, ``fed`` drafted tokens in
+        all (None: B·k, every row k) (0 before any observation)."""
         if self._n == 0:
             return 0.0
         # ridge on the slopes only, scaled to the data, keeps the fit defined while B or k never varied
@@ -212,24 +219,28 @@ class AdaptiveGamma:
         reg = np.diag([0.0] + [1.0] * (d - 1)) * 1e-6 * max(np.trace(self._A), 1.0)
         theta = np.linalg.solve(self._A + reg + np.eye(d) * 1e-12, self._b)
         floor = 0.1 * self._b[0] / self._A[0, 0]  # a tenth of the mean step: never zero or negative
-        return max(float(theta @ self._features(B, k)), floor)
+        return max(float(theta @ self._features(B, k, fed)), floor)
 
-    def _rate(self, B: int, k: int, limits: list[int], accepted: list[np.ndarray]) -> float:
+    def _rate(self, B: int, k: int, limits: list[int], accepted: list[np.ndarray], pis: list[float]) -> float:
         asked = [min(k, lim) for lim in limits]
         tokens = sum(1.0 + acc[j] for acc, j in zip(accepted, asked))
         if self._n == 0:  # nothing measured yet: assume verification is free (start by speculating)
             return tokens
-        return tokens / self.cost(B, max(asked, default=0))
+        # packed passes: a row feeds its draft only when the drafter proposed one (π), else the longest draft
+        # sets every row's width
+        fed = sum(pi * j for pi, j in zip(pis, asked)) if self.packed else None
+        return tokens / self.cost(B, max(asked, default=0), fed)
 
     def _row_limit(self, s: Sequence) -> int:
         lim = min(self.max_gamma, s.remaining - 1)
         c = self.cap(s) if self.cap is not None else None
         return max(0, lim if c is None else min(lim, c))
 
-    def _features(self, B: int, k: int) -> np.ndarray:
-        phi = [1.0, B, k, B * k]
+    def _features(self, B: int, k: int, fed: float | None = None) -> np.ndarray:
+        fed = B * k if fed is None else fed  # drafted tokens the pass runs
+        phi = [1.0, B, k, fed]
         if self._pass is not None:
-            phi.append(self._pass(B * (k + 1)) / self._pass1)
+            phi.append(self._pass(max(1, round(B + fed))) / self._pass1)
         return np.array(phi, dtype=np.float64)
 
 

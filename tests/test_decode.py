@@ -130,6 +130,26 @@ def test_batched_ragged_acceptance_matches_single(tiny_target, tiny_draft):
             assert [s.output_ids for s in out] == ref, (rows, getattr(d, "name", "ar"))
 
 
+def test_rows_with_shorter_drafts_feed_only_their_own_tokens(tiny_target, tiny_draft, monkeypatch):
+    """A batch where prompt lookup finds matches for some rows only: the step's pass gets each row's real
+    token count (``lengths``), so a row without a draft costs one token, and the output stays plain decoding's."""
+    params = SamplingParams(max_tokens=30)
+    ref = [s.output_ids for s in run(tiny_target, None, PROMPTS, params)]
+    seen = []
+    real = type(tiny_target).forward
+
+    def spy(self, x, cache, **kw):
+        if kw.get("lengths") is not None:
+            seen.append(list(kw["lengths"]))
+        return real(self, x, cache, **kw)
+
+    monkeypatch.setattr(type(tiny_target), "forward", spy)
+    out = run(tiny_target, PromptLookupDrafter(), PROMPTS, params, rows=4)
+    assert [s.output_ids for s in out] == ref
+    assert seen and all(min(L) < max(L) for L in seen)  # only ragged steps pass lengths
+    assert any(1 in L for L in seen)  # a row that drafted nothing fed its one token
+
+
 def test_batched_different_lengths_and_params(tiny_target, tiny_draft):
     """Mixed greedy / sampled / max_tokens in one batch: the greedy ones are unaffected."""
     ref = run(tiny_target, None, [PROMPTS[0]], SamplingParams(max_tokens=25))[0].output_ids

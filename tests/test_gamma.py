@@ -125,3 +125,33 @@ def test_rows_of_one_batch_count_their_own_acceptance():
     pooled = policy.accepted_by_length()
     assert policy.accepted_by_length(good)[2] > pooled[2] > policy.accepted_by_length(bad)[2]
     assert policy.row_rates(_seq()) == pytest.approx((policy.acceptance_rate, policy.proposal_rate))
+
+
+def test_packed_passes_price_only_the_rows_that_propose():
+    """A batch of 8 where one row's drafter always proposes (α 0.9) and seven never do (prompt lookup
+    finding no match). With packed passes (the native model: each row feeds its own tokens) the step
+    costs 8 + k tokens and drafting pays; padded, it would cost 8 (k + 1) and the policy keeps γ 0."""
+
+    def run(packed: bool) -> list[int]:
+        policy = AdaptiveGamma(4, explore_every=4)
+        policy.packed = packed
+        policy.set_pass_cost(lambda T: 0.03 + 0.004 * T)  # a pass over T tokens in one batch
+        rows = [_seq() for _ in range(8)]
+        chosen = []
+        for _ in range(60):
+            k = policy.choose(rows)
+            chosen.append(policy.last)
+            fed = 0
+            for i, s in enumerate(rows):
+                if i == 0 and k:  # the one row with matches: its drafts (α 0.9, all accepted here)
+                    s.stats.record_step(k, k)
+                    fed += k
+                elif k:
+                    s.stats.record_step(0, 0)  # asked, proposed nothing
+            width = 8 + fed if packed else 8 * (k + 1)
+            policy.observe(k, [k] + [0] * 7, 0.03 + 0.004 * width)
+        return chosen
+
+    packed, padded = run(True), run(False)
+    assert sum(k > 0 for k in packed[20:]) >= 30  # drafts for the matching row on most steps
+    assert sum(k > 0 for k in padded[20:]) <= 12  # the explorations only (every 4th step)

@@ -620,3 +620,50 @@ def test_draft_weights_default_to_int4_for_a_quantized_target(hf_folder, monkeyp
     assert SpeculativeDecoder(target, "some-draft", draft_dtype="gguf", progress=False).draft_dtype == "gguf"
     dw = SpeculativeDecoder(target, str(hf_folder), dtype="int8", progress=False)  # the draft loads as int4
     assert dw.draft.weights == "int4"
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_packed_rows_equal_the_padded_pass(kernels, tree):
+    """forward(lengths=...) runs each row's real tokens only through the matmuls (Packing): the real
+    positions' logits, hidden states and taps are the padded pass's (bit for bit through the batch-invariant
+    kernel), the cache holds the same keys for them, padding positions come back zero; bad lengths are
+    refused."""
+    m = random_model(TINY_QWEN, seed=3, dtype=torch.float32)
+    if kernels:
+        from draftwise.kernels import extension
+
+        if extension() is None:
+            pytest.skip("the kernel is not built here")
+        m = _through_kernel(m)
+    same = torch.equal if kernels else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
+    B, T, C = 4, 5, 7
+    g = torch.Generator().manual_seed(1)
+    ctx = torch.randint(0, TINY.vocab_size, (B, C), generator=g)
+    x = torch.randint(0, TINY.vocab_size, (B, T), generator=g)
+    lengths = [5, 1, 3, 2]
+    kw = {}
+    if tree:  # row 0 a tree (two branches off the root), the others chains
+        mask = torch.tril(torch.ones(B, T, T, dtype=torch.bool))
+        mask[0, 3:, 1:3] = False
+        kw = {"attn_mask": mask,
+              "positions": torch.tensor([[C, C + 1, C + 2, C + 1, C + 2]] + [list(range(C, C + T))] * 3)}
+    outs, caches = [], []
+    for lens in (None, lengths):
+        cache = m.new_cache(B, C + T)
+        m.forward(ctx, cache, logits_for="last")
+        outs.append(m.forward(x, cache, logits_for="all", taps=(1,), lengths=lens, **kw))
+        caches.append(cache)
+    full, packed = outs
+    for b, n in enumerate(lengths):
+        assert same(packed.logits[b, :n], full.logits[b, :n])
+        assert same(packed.hidden[b, :n], full.hidden[b, :n])
+        assert same(packed.taps[b, :n], full.taps[b, :n])
+        assert not packed.logits[b, n:].any()
+        assert same(caches[1].k[0][b, :, :C + n], caches[0].k[0][b, :, :C + n])
+    cache = m.new_cache(B, C + T)
+    for bad in ([5, 1, 3], [0, 1, 1, 1], [6, 1, 1, 1]):
+        with pytest.raises(ValueError, match="lengths"):
+            m.forward(x, cache, logits_for="all", lengths=bad)
+    with pytest.raises(ValueError, match="lengths"):
+        m.forward(x, cache, logits_for="last", lengths=lengths)

@@ -93,17 +93,21 @@ class Attention(nn.Module):
         self.o = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, start: list[int], tree: "TreeMask | None") -> torch.Tensor:
-        # x: (B, T, D); cos/sin: (B, T, hd); k_cache/v_cache: (B, nkv, cap, hd); start[b] = row b's length
-        B, T, _ = x.shape
-        qkv = self.qkv(x)  # (B, T, (nh + 2 nkv) hd)
+                v_cache: torch.Tensor, start: list[int], tree: "TreeMask | None",
+                packed: "Packing | None" = None) -> torch.Tensor:
+        # x: (B, T, D), or (N, D) with ``packed`` (the rows' real tokens only; see Packing);
+        # cos/sin: (B, T, hd); k_cache/v_cache: (B, nkv, cap, hd); start[b] = row b's length
+        qkv = self.qkv(x)  # (B, T, (nh + 2 nkv) hd), or (N, ...) packed
+        if packed is not None:
+            qkv = packed.unpack(qkv)  # (B, T, ...): padding positions zero (their keys lie past the row's end)
+        B, T, _ = qkv.shape
         ext = _fused_ops(qkv) if k_cache.dtype == torch.float32 else None
         if ext is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
             # the same computation as below, fused: one call instead of ~35 ops
             vis, nvis = (tree.vis, tree.nvis) if tree is not None else (_NONE, _NONE)
             out = ext.decode_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
                                        start, self.nh, self.nkv, vis, nvis)  # (B, T, nh hd)
-            return self.o(out)
+            return self.o(out if packed is None else packed.pack(out))
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q = q.view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
@@ -133,7 +137,8 @@ class Attention(nn.Module):
                     out[b] = F.scaled_dot_product_attention(
                         q[b:b + 1], k_cache[b:b + 1, :, :L + T], v_cache[b:b + 1, :, :L + T],
                         attn_mask=mask, enable_gqa=True)[0]
-        return self.o(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        return self.o(out if packed is None else packed.pack(out))
 
     def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One query token over its keys, grouped-query. q: (nh, hd); k, v: (nkv, S, hd) -> (nh, hd).
@@ -147,6 +152,30 @@ class Attention(nn.Module):
 
 
 _NONE = torch.empty(0, dtype=torch.long)
+
+
+class Packing:
+    """The real tokens of a right-padded (B, T) batch whose rows feed different numbers of new tokens
+    (``lengths[b]`` <= T: a verification step where some rows drafted fewer tokens, or none). The projections,
+    MLPs and LM head run on the N = sum(lengths) real tokens only — (N, D) instead of (B, T, D) — and
+    attention on the padded layout; padding positions get zero projections (their keys and values land
+    past the row's valid length, where no real token looks). The kernel computes each row alone (batch
+    invariance), so a real token's bits do not depend on the packing."""
+
+    def __init__(self, lengths: list[int], T: int):
+        self.B, self.T = len(lengths), T
+        mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # (B, T)
+        self.index = mask.reshape(-1).nonzero().squeeze(1)  # (N,) flat positions of the real tokens
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) -> (N, ...)"""
+        return x.reshape(self.B * self.T, *x.shape[2:]).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, ...) -> (B, T, ...), zeros at padding positions"""
+        out = x.new_zeros(self.B * self.T, *x.shape[1:])
+        out.index_copy_(0, self.index, x)
+        return out.view(self.B, self.T, *x.shape[1:])
 
 
 class TreeMask:
@@ -192,6 +221,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     supports_trees = True  # forward takes a tree attn_mask; its nodes get the bits decoding their paths gives
     supports_taps = True  # forward(taps=...) returns inner layers' outputs (an EAGLE-3 head's features)
+    supports_lengths = True  # forward(lengths=...) runs only each row's real tokens through the matmuls
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -220,15 +250,15 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, logits_for: LogitsFor = "all",
                 layers: tuple[int, ...] | None = None, all_hidden: bool = False,
-                taps: tuple[int, ...] = ()) -> ModelOutput:
+                taps: tuple[int, ...] = (), lengths: list[int] | None = None) -> ModelOutput:
         # torch's small ops on one thread, the kernel's matmuls on all (kernels.serial_torch)
         with serial_torch():
             return self._forward(input_ids, cache, positions=positions, attn_mask=attn_mask, logits_for=logits_for,
-                                 layers=layers, all_hidden=all_hidden, taps=taps)
+                                 layers=layers, all_hidden=all_hidden, taps=taps, lengths=lengths)
 
     def _forward(self, input_ids: torch.Tensor, cache: KVCache, *, positions: torch.Tensor | None,
                  attn_mask: torch.Tensor | None, logits_for: LogitsFor, layers: tuple[int, ...] | None,
-                 all_hidden: bool, taps: tuple[int, ...]) -> ModelOutput:
+                 all_hidden: bool, taps: tuple[int, ...], lengths: list[int] | None = None) -> ModelOutput:
         # input_ids: (B, T) new tokens of cache rows 0..B-1; attn_mask: (B, T, T) bool or None (causal)
         # all_hidden: ModelOutput.hidden holds every position's final state (B, T, D), whatever logits_for
         # says (a draft head's context after the prefill: drafters/eagle.py); the logits are unchanged
@@ -237,6 +267,8 @@ class Transformer(nn.Module):
         # drafters/layerskip.py); the final norm and LM head always run.
         # taps: decoder layer indices whose output (the residual stream, every position) is returned in
         # ModelOutput.taps (B, T, len(taps), D): a draft head's low/mid-level features (EAGLE-3)
+        # lengths: row b's real new tokens are its first lengths[b] (right padding after them): only those
+        # run through the matmuls (Packing); logits, hidden and taps at padding positions are zero
         B, T = input_ids.shape
         start = cache.lengths[:B].tolist()
         if max(start) + T > cache.capacity:
@@ -245,16 +277,30 @@ class Transformer(nn.Module):
             positions = cache.lengths[:B, None] + torch.arange(T)  # (B, T)
         cos, sin = self.rotary.tables(positions, self.dtype)
         tree = TreeMask(attn_mask) if attn_mask is not None else None
+        packed = None
+        if lengths is not None and T <= EXACT_MAX_T and sum(lengths) < B * T:
+            if len(lengths) != B or min(lengths) < 1 or max(lengths) > T:
+                raise ValueError(f"lengths must give 1..{T} real tokens for each of the {B} rows, got {lengths}")
+            if isinstance(logits_for, torch.Tensor) or logits_for != "all" or all_hidden:
+                raise ValueError("lengths (packed rows) go with logits_for='all'")
+            packed = Packing(lengths, T)
         h = self.embed(input_ids)  # (B, T, D)
+        if packed is not None:
+            h = packed.pack(h)  # (N, D): the real tokens only, up to the LM head
         tapped: dict[int, torch.Tensor] = {}
         with bulk(T > EXACT_MAX_T):  # a long prefill: GEMM path (never compared token for token)
             for i in range(len(self.layers)) if layers is None else layers:
                 layer = self.layers[i]
-                h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree)
+                h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree, packed)
                 h = h + layer.mlp(layer.mlp_norm(h))
                 if i in taps:
                     tapped[i] = h
         cache.lengths[:B] += T
+        if packed is not None:
+            h = self.norm(h)  # (N, D)
+            logits = packed.unpack(self.lm_head(h).float())  # (B, T, V)
+            tap = packed.unpack(torch.stack([tapped[i] for i in taps], 1)) if taps else None
+            return ModelOutput(logits=logits, hidden=packed.unpack(h), taps=tap)
         every = self.norm(h) if all_hidden else None  # (B, T, D)
         if isinstance(logits_for, torch.Tensor):  # one position per row
             h = h[torch.arange(B), logits_for].unsqueeze(1)
