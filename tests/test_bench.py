@@ -330,5 +330,9 @@ def test_agreement_command_on_a_tiny_model(hf_folder, prompts_file, tmp_path, ca
     assert set(res["variants"]) == {"fp32:fp32", "int8:int8", "int8:fp32"}
     assert res["variants"]["fp32:fp32"]["identical"] == 1.0
     assert all(0.0 <= v["prefix_share"] <= 1.0 and v["tokens_per_s"] > 0 for v in res["variants"].values())
+    assert all(0.0 <= v["forced_top1"] <= 1.0 for v in res["variants"].values())
+    # teacher forcing: a variant whose continuation is the reference's has every position right
+    for v in res["variants"].values():
+        assert v["identical"] < 1.0 or v["forced_top1"] == 1.0
     assert "identical continuations" in capsys.readouterr().out
     assert main(["agreement", "--target", str(hf_folder), "--variants", "q3"]) == 2

@@ -201,6 +201,25 @@ def test_long_prefill_takes_the_gemm_path_and_stays_close(hf_folder):
         assert dw.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True), method=method).token_ids == ref
 
 
+def test_exact_prefill_keeps_fp32_numbers_for_long_prompts(hf_folder, monkeypatch):
+    """Under ``kernels.exact_prefill`` (what ``draftwise agreement`` measures with) a long prefill of an fp32
+    model never takes the bf16 bulk GEMM: its logits are the chunked exact kernel's to fp32 accuracy."""
+    from draftwise import kernels
+    from draftwise.models import load_model
+
+    monkeypatch.setattr(kernels, "_bulk_pays", lambda: True)  # a CPU where the bf16 bulk path runs
+    m = load_model(str(hf_folder), "fp32", progress=False).model
+    toks = torch.randint(0, m.config.vocab_size, (1, 100), generator=torch.Generator().manual_seed(0))
+    a, b, c = m.new_cache(1, 128), m.new_cache(1, 128), m.new_cache(1, 128)
+    exact = torch.cat([m.forward(toks[:, i:i + 25], b).logits for i in range(0, 100, 25)], dim=1)
+    with kernels.exact_prefill():
+        kept = m.forward(toks, a).logits
+    bulk = m.forward(toks, c).logits
+    scale = float(exact.abs().max())
+    assert float((kept - exact).abs().max()) < 1e-4 * scale
+    assert float((bulk - exact).abs().max()) > 10 * float((kept - exact).abs().max())  # bf16 really differs
+
+
 def test_draft_dtype_loads_the_draft_in_its_own_format(hf_folder):
     from draftwise.api import SpeculativeDecoder
     from draftwise.sampling import SamplingParams

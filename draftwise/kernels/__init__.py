@@ -124,6 +124,16 @@ def bulk(enabled: bool = True):
     return _mode_flag("bulk", enabled)
 
 
+@contextlib.contextmanager
+def exact_prefill():
+    """Within this block long prefills keep each format's own numbers: no bf16 bulk GEMM (``bulk``); dense and
+    groups-of-32 weights over many rows take torch's fp32 GEMM on fp32 de-quantized weights (``fp32_gemm``),
+    the K-quant rule its kernel as always. For measuring what a format costs in quality (``draftwise
+    agreement``): an "fp32" reference whose prompt ran through bf16 is not an fp32 reference."""
+    with _mode_flag("no_bulk", True), _mode_flag("gemm32", True):
+        yield
+
+
 def fp32_gemm():
     """Within this block, linears over many rows that do not take the bf16 bulk path de-quantize their
     weights to fp32 and use torch's fp32 GEMM, on any CPU: for work whose numbers no decoding output
@@ -613,7 +623,8 @@ class QLinear(nn.Module):
             scale, minv = scale.float(), minv.float()
         if self.bits in KQ_BITS:  # the K-quant rule, for prompts too: an extra row costs its dot products only
             y = ext.qmm_kq(x2, buffers["q"].view(-1), self.bits, self.out_features)
-        elif x2.shape[0] > BULK_MIN_ROWS and getattr(_mode, "bulk", False) and _bulk_pays():
+        elif x2.shape[0] > BULK_MIN_ROWS and getattr(_mode, "bulk", False) and not getattr(_mode, "no_bulk", False) \
+                and _bulk_pays():
             with parallel_torch():
                 if ext is not None and self.bits in (4, 8):
                     w = ext.dequantize_bf16(self.q, scale, minv, self.group, self.bits)  # (N, K)
