@@ -13,7 +13,8 @@
 
 - ``gc_paused()``: Python's cyclic garbage collector off for a block that builds many long-lived objects
   (loading a model), and ``freeze_heap()``: every object alive now moved out of the collector's reach
-  (a server, once its models are loaded) — a full collection otherwise walks the ~10^5 objects torch's
+  (a server process, once its models are loaded: ``draftwise serve`` and each Ray replica) — a full
+  collection otherwise walks the ~10^5 objects torch's
   import made, ~0.1 s on these CPUs, freeing nothing.
 
 Every function is safe to call when the facility is missing: it reports ``False`` / ``None``.

@@ -107,6 +107,7 @@ def run(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from ..memory import freeze_heap
     from ..serve.engine import Engine, engine_config
     from ..serve.server import run_server
 
@@ -124,6 +125,7 @@ def cmd_serve(args) -> int:
     common.threads(args)
     dw = build_decoder(common.model_spec(args), method=cfg.method)
     engine = Engine(dw, cfg)
+    freeze_heap()  # torch, the models, the tokenizers: never walked by the collections serving triggers
     name = args.served_model_name or args.target
     print(f"draftwise: serving {name!r} (method {cfg.method}, γ ≤ {cfg.gamma} {cfg.gamma_policy}) on "
           f"http://{args.host}:{args.port}/v1 — {engine.rows} cache rows × {engine.max_model_len} tokens "

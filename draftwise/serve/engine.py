@@ -63,7 +63,7 @@ from ..drafters.base import Draft, Drafter, Needs, needs_of
 from ..drafters.suffix import SuffixCache
 from ..errors import DraftwiseError, InvalidParameterError
 from ..gamma import AdaptiveGamma
-from ..memory import freeze_heap, hold_freed_memory, trim_heap
+from ..memory import hold_freed_memory, trim_heap
 from ..models.base import KVCache
 from ..sequence import Sequence
 from .detok import IncrementalDetokenizer
@@ -282,7 +282,6 @@ class Engine:
         self._used_rows = 0  # rows written since they were last given back to the OS
         self._trimmed = True  # malloc trimmed since the engine last worked
         hold_freed_memory()  # under load a step reuses what the last one freed; trimmed when idle
-        freeze_heap()  # the models, tokenizers and torch: never walked by the collections serving triggers
         self.gamma_now = 0  # draft length of the latest step (0 = no speculation)
         self.steps = 0
         self._off_steps = 0  # consecutive steps the policy found speculation not paying

@@ -57,6 +57,7 @@ class DraftwiseReplica:
         import torch
 
         from ..api import ModelSpec, build_decoder
+        from ..memory import freeze_heap
         from .app import create_app
         from .engine import Engine, EngineConfig
 
@@ -65,6 +66,7 @@ class DraftwiseReplica:
         dw = build_decoder(ModelSpec(**spec["model"]), method=cfg.method, progress=False)
         self.engine = Engine(dw, cfg)
         self._app = create_app(self.engine, spec["name"], spec["api_key"])
+        freeze_heap()  # a replica's process: what start-up made is never walked by later collections
 
     def __serve_build_asgi_app__(self):
         return self._app
