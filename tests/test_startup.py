@@ -73,8 +73,9 @@ def test_gc_paused_restores_the_collector():
 
 
 def test_tokenizer_read_meanwhile_on_a_spare_core(hf_folder, monkeypatch):
-    """With a core to spare the tokenizer is read on a thread while the weights load, and is the same one
-    (ids, end-of-sequence set) the plain path gives; without one it is read after the weights."""
+    """With a core to spare the tokenizer is parsed on a thread while the weights load, and the model's
+    tokenizer is the one that parse made (cached by content) and gives the plain path's ids and
+    end-of-sequence set; without a spare core it is read after the weights."""
     import draftwise.models as models
 
     started = []
@@ -91,6 +92,9 @@ def test_tokenizer_read_meanwhile_on_a_spare_core(hf_folder, monkeypatch):
     monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     b = models.load_model(str(hf_folder), "fp32", progress=False)
     assert started == [True, False]
+    from draftwise.models.tokenizer import _RUST
+
+    assert a.tokenizer.fast in _RUST.values()
     text = "def f(x):\n    return x * 2  # héllo"
     assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
     assert a.tokenizer.eos_ids == b.tokenizer.eos_ids

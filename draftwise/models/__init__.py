@@ -127,26 +127,30 @@ def _load_model(name_or_path: str, dtype: str | torch.dtype, backend: str, progr
         if weights in ("int8", "int4"):
             sd = quantize_linears(sd, 8 if weights == "int8" else 4)
     model = from_state_dict(cfg, sd, compute, storage)
-    tok = tok_soon.result() if tok_soon is not None and tok_dir == tok_soon.folder else Tokenizer.from_folder(tok_dir)
-    return LoadedModel(name_or_path, model, tok, time.perf_counter() - t0, weights)
+    if tok_soon is not None:
+        tok_soon.exception()  # wait for it: the Rust tokenizer is then cached (a failure: from_folder says why)
+    return LoadedModel(name_or_path, model, Tokenizer.from_folder(tok_dir), time.perf_counter() - t0, weights)
 
 
 def _read_tokenizer_meanwhile(folder: Path):
-    """``Tokenizer.from_folder(folder)`` started on a thread (a Future with ``.folder``), so that parsing
-    tokenizer.json (~0.3 s for Qwen's, in Rust, without the GIL) overlaps reading the weights on a core the
-    kernel's threads leave free; None when there is none (measured on 2 cores: 0.82-0.87 s with the thread
-    against 0.80-0.81 s without) or the folder has no lean tokenizer yet (a first conversion writes it)."""
+    """Parsing ``folder``'s tokenizer.json (~0.3 s for Qwen's, in Rust, without the GIL) started on a thread
+    (a Future), so that it overlaps reading the weights on a core the kernel's threads leave free; the
+    parsed tokenizer is cached by content (``tokenizer._rust_tokenizer``), so ``Tokenizer.from_folder``
+    afterwards finds it. Only the Rust parse runs there (never transformers: two threads importing it at
+    once can see a half-made module). None when no core is free (measured on 2 cores: 0.82-0.87 s with the
+    thread against 0.80-0.81 s without) or the folder has no tokenizer.json yet (a first conversion writes it)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    if not ((folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file()):
+    from .tokenizer import _rust_tokenizer
+
+    if not (folder / "tokenizer.json").is_file():
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cores <= torch.get_num_threads():
         return None  # no spare core: the weights' re-packing uses every thread, a third would only slow it
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftwise-tokenizer")
-    fut = pool.submit(Tokenizer.from_folder, folder)
+    fut = pool.submit(_rust_tokenizer, folder / "tokenizer.json")
     pool.shutdown(wait=False)
-    fut.folder = folder
     return fut
 
 
