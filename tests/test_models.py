@@ -648,7 +648,12 @@ def test_packed_rows_equal_the_padded_pass(kernels, tree):
     positions' logits, hidden states and taps are the padded pass's (bit for bit through the batch-invariant
     kernel), the cache holds the same keys for them, padding positions come back zero; bad lengths are
     refused."""
-    m = random_model(TINY_QWEN, seed=3, dtype=torch.float32)
+    from draftwise.models.base import ModelConfig
+
+    # wide enough (D 512) that torch's norm and the fused one round differently
+    cfg = ModelConfig(**{**TINY_QWEN.to_dict(), "hidden_size": 512, "intermediate_size": 1024, "num_heads": 8,
+                         "num_kv_heads": 4, "head_dim": 64})
+    m = random_model(cfg, seed=3, dtype=torch.float32)
     if kernels:
         from draftwise.kernels import extension
 
@@ -656,17 +661,19 @@ def test_packed_rows_equal_the_padded_pass(kernels, tree):
             pytest.skip("the kernel is not built here")
         m = _through_kernel(m)
     same = torch.equal if kernels else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
-    B, T, C = 4, 5, 7
+    # more real tokens (36) than a short forward's T limit (32): the packed (N, D) tensors must still take the
+    # fused layer ops the padded (B, T, D) ones take (they round differently from torch's)
+    B, T, C = 8, 6, 7
     g = torch.Generator().manual_seed(1)
     ctx = torch.randint(0, TINY.vocab_size, (B, C), generator=g)
     x = torch.randint(0, TINY.vocab_size, (B, T), generator=g)
-    lengths = [5, 1, 3, 2]
+    lengths = [6, 1, 3, 2, 6, 6, 6, 6]
     kw = {}
     if tree:  # row 0 a tree (two branches off the root), the others chains
         mask = torch.tril(torch.ones(B, T, T, dtype=torch.bool))
         mask[0, 3:, 1:3] = False
         kw = {"attn_mask": mask,
-              "positions": torch.tensor([[C, C + 1, C + 2, C + 1, C + 2]] + [list(range(C, C + T))] * 3)}
+              "positions": torch.tensor([[C, C + 1, C + 2, C + 1, C + 2, C + 3]] + [list(range(C, C + T))] * (B - 1))}
     outs, caches = [], []
     for lens in (None, lengths):
         cache = m.new_cache(B, C + T)
@@ -681,7 +688,7 @@ def test_packed_rows_equal_the_padded_pass(kernels, tree):
         assert not packed.logits[b, n:].any()
         assert same(caches[1].k[0][b, :, :C + n], caches[0].k[0][b, :, :C + n])
     cache = m.new_cache(B, C + T)
-    for bad in ([5, 1, 3], [0, 1, 1, 1], [6, 1, 1, 1]):
+    for bad in ([6, 1, 3], [0] + [1] * 7, [7] + [1] * 7):
         with pytest.raises(ValueError, match="lengths"):
             m.forward(x, cache, logits_for="all", lengths=bad)
     with pytest.raises(ValueError, match="lengths"):

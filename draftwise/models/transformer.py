@@ -14,6 +14,7 @@ plain decoding makes. Long prefills take one batched SDPA call per sequence.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +26,16 @@ from .base import MAX_TREE_TOKENS, KVCache, LogitsFor, ModelConfig, ModelOutput
 EXACT_MAX_T = MAX_TREE_TOKENS  # forwards of at most this many new tokens use the row-by-row (invariant) attention
 
 
+_short = threading.local()  # .packed: inside a packed forward (Packing), whose (N, D) tensors are a short forward's
+
+
 def _fused_ops(t: torch.Tensor):
     """The compiled layer ops (kernels/layers.cpp) when ``t`` (..., T, D) is fp32 activations of a short
-    forward (decode or verification, T <= EXACT_MAX_T) and the kernel is built; else None (torch ops)."""
-    return extension() if t.dtype == torch.float32 and t.shape[-2] <= EXACT_MAX_T else None
+    forward (decode or verification, T <= EXACT_MAX_T; or a packed one's (N, D) real tokens, N up to
+    B·T) and the kernel is built; else None (torch ops). Torch's ops and the fused ones round differently,
+    so a packed forward must take the path its padded form takes, whatever N is."""
+    short = t.shape[-2] <= EXACT_MAX_T or getattr(_short, "packed", False)
+    return extension() if t.dtype == torch.float32 and short else None
 
 
 class Linear(nn.Linear):
@@ -288,19 +295,23 @@ class Transformer(nn.Module):
         if packed is not None:
             h = packed.pack(h)  # (N, D): the real tokens only, up to the LM head
         tapped: dict[int, torch.Tensor] = {}
-        with bulk(T > EXACT_MAX_T):  # a long prefill: GEMM path (never compared token for token)
-            for i in range(len(self.layers)) if layers is None else layers:
-                layer = self.layers[i]
-                h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree, packed)
-                h = h + layer.mlp(layer.mlp_norm(h))
-                if i in taps:
-                    tapped[i] = h
-        cache.lengths[:B] += T
-        if packed is not None:
-            h = self.norm(h)  # (N, D)
-            logits = packed.unpack(self.lm_head(h).float())  # (B, T, V)
-            tap = packed.unpack(torch.stack([tapped[i] for i in taps], 1)) if taps else None
-            return ModelOutput(logits=logits, hidden=packed.unpack(h), taps=tap)
+        _short.packed = packed is not None  # the norms and MLP ops below see (N, D): still a short forward
+        try:
+            with bulk(T > EXACT_MAX_T):  # a long prefill: GEMM path (never compared token for token)
+                for i in range(len(self.layers)) if layers is None else layers:
+                    layer = self.layers[i]
+                    h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree, packed)
+                    h = h + layer.mlp(layer.mlp_norm(h))
+                    if i in taps:
+                        tapped[i] = h
+            cache.lengths[:B] += T
+            if packed is not None:
+                h = self.norm(h)  # (N, D)
+                logits = packed.unpack(self.lm_head(h).float())  # (B, T, V)
+                tap = packed.unpack(torch.stack([tapped[i] for i in taps], 1)) if taps else None
+                return ModelOutput(logits=logits, hidden=packed.unpack(h), taps=tap)
+        finally:
+            _short.packed = False
         every = self.norm(h) if all_hidden else None  # (B, T, D)
         if isinstance(logits_for, torch.Tensor):  # one position per row
             h = h[torch.arange(B), logits_for].unsqueeze(1)
