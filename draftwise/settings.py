@@ -43,6 +43,12 @@ def home() -> Path:
     return Path(v if v else Path.home() / ".cache" / "draftwise").expanduser()
 
 
+def torch_extensions_dir() -> str | None:
+    """torch's own ``TORCH_EXTENSIONS_DIR`` (where its builder compiles the kernel; None: torch's default):
+    a kernel noted as built under another value is not imported directly (``kernels._import_built``)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or None
+
+
 def api_key() -> str | None:
     """``$DRAFTWISE_API_KEY``: the server's default bearer key (None: no key)."""
     return os.environ.get("DRAFTWISE_API_KEY") or None

@@ -26,16 +26,20 @@ def test_ggml_ids_are_the_gguf_packages():
 
 def test_the_built_kernel_is_imported_directly(tmp_path, monkeypatch):
     """Once built, a process imports the module its note names (no torch builder); a note for another
-    torch, or naming a missing file, sends it back to the builder (None here)."""
+    torch or another TORCH_EXTENSIONS_DIR, or naming a missing file, sends it back to the builder (None)."""
     ext = kernels.extension()
     if ext is None:
         pytest.skip("the kernel is not built here")
     monkeypatch.setattr(kernels, "_built_record", lambda: tmp_path / "built.json")
     assert kernels._import_built() is None  # no note
-    rec = {"module": ext.__file__, "torch": torch.__version__, "python": sys.version}
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    rec = {"module": ext.__file__, "torch": torch.__version__, "python": sys.version, "extensions_dir": None}
     (tmp_path / "built.json").write_text(json.dumps(rec))
     mod = kernels._import_built()
     assert mod is not None and mod.isa() == ext.isa() and mod.available_isas() == ext.available_isas()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "fresh"))  # another build folder: build there
+    assert kernels._import_built() is None
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     for bad in ({**rec, "torch": "0.0.1"}, {**rec, "module": str(tmp_path / "gone.so")}, {"module": 3}):
         (tmp_path / "built.json").write_text(json.dumps(bad))
         assert kernels._import_built() is None

@@ -243,7 +243,7 @@ def _build():
                extra_cflags=CFLAGS, extra_ldflags=["-pthread"], verbose=False)
     try:
         _save_cache(_built_record(), {"module": str(Path(ext.__file__).resolve()), "torch": torch.__version__,
-                                      "python": sys.version})
+                                      "python": sys.version, "extensions_dir": settings.torch_extensions_dir()})
     except (OSError, AttributeError, TypeError) as e:  # an unwritable home: the next process builds again
         log.info("draftwise: the kernel's location was not noted (%s)", e)
     return ext
@@ -251,9 +251,10 @@ def _build():
 
 def _import_built():
     """The module an earlier process built from these very sources and flags (its name is their hash) under
-    this torch and Python, imported directly: torch's builder costs ~0.15 s per process even when there is
-    nothing to build (it imports setuptools and runs ninja). None when there is no such note, or the module
-    is gone or does not import (then ``_build`` runs)."""
+    this torch and Python, into the same extensions folder, imported directly: torch's builder costs ~0.15 s
+    per process even when there is nothing to build (it imports setuptools and runs ninja). None when there is
+    no such note, or it was made under another ``TORCH_EXTENSIONS_DIR`` (a fresh folder means: build it), or
+    the module is gone or does not import (then ``_build`` runs)."""
     import importlib.util
     import json
     import sys
@@ -261,7 +262,8 @@ def _import_built():
     try:
         rec = json.loads(_built_record().read_text())
         path = Path(rec["module"])
-        if rec["torch"] != torch.__version__ or rec["python"] != sys.version or not path.is_file():
+        if rec["torch"] != torch.__version__ or rec["python"] != sys.version or not path.is_file() \
+                or rec.get("extensions_dir") != settings.torch_extensions_dir():  # a build under another root
             return None
         spec = importlib.util.spec_from_file_location(build_name(), path)
         mod = importlib.util.module_from_spec(spec)
