@@ -79,6 +79,14 @@ struct KqArgs {
   float* out;        // (M, N)
 };
 
+// s_j of ACTIVATIONS above: the doublings (0..3) of a block of 32 whose max |x| is a, in a super-block whose
+// max is amax (exact: scaling by 2^s is exact); its products' shift is e_j = 3 - s_j. Every act_k uses this.
+inline int kq_doublings(float a, float amax) {
+  int s = 0;
+  while (s < 3 && a * (float)(2 << s) <= amax) ++s;  // a * 2^(s+1) <= amax: one more doubling
+  return s;
+}
+
 // the reference quantization (every path uses it: the same bits everywhere)
 void act_q8k(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32, uint8_t* e);
 // the reference product for tiles t0..t1 (the rule written out one column at a time)

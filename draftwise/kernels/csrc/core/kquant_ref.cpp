@@ -26,8 +26,7 @@ void act_q8k(const float* xp, int64_t M, int64_t K, int8_t* q, float* d, int32_t
       d[i * nb + b] = (amax / 127.f) * 0.125f;
       int8_t* qb = qi + b * QK;
       for (int j = 0; j < 8; ++j) {
-        int s = 0;
-        while (s < 3 && a[j] * (float)(2 << s) <= amax) ++s;  // a_j * 2^(s+1) <= amax: one more doubling
+        const int s = kq_doublings(a[j], amax);
         const float mul = inv * (float)(1 << s);
         for (int64_t k = 32 * j; k < 32 * j + 32; ++k) qb[k] = (int8_t)round_even(xb[k] * mul);
         const int sh = 3 - s;
