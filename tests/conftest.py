@@ -26,15 +26,25 @@ TINY = ModelConfig(arch="llama", vocab_size=96, hidden_size=48, intermediate_siz
 TINY_QWEN = ModelConfig(**{**TINY.to_dict(), "arch": "qwen2", "qkv_bias": True})
 
 
-def reference_state_dict(reader) -> dict[str, torch.Tensor]:
+def reference_state_dict(reader, kernel_layout: bool = False) -> dict[str, torch.Tensor]:
     """The unfused state dict of a GGUF with every block format decoded by the numpy reference
-    (gguf_quant.parse) instead of the kernel's C++ re-packer: what the in-place loader must equal."""
+    (gguf_quant.parse) instead of the kernel's C++ re-packer: what the in-place loader must equal.
+    ``kernel_layout``: tensors the K-quant rule takes (``kq_format``: Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q8_0
+    of whole 16-row tiles) are re-laid out one by one into its x16 layout instead (that layout is checked
+    against the numpy reference in test_kquant / test_kblock), so that a model built from this state dict
+    computes with the same rule as the in-place loader's fused one, bit for bit."""
     from draftwise.kernels import gguf_quant
     from draftwise.models.loading import gguf_config, gguf_state_dict
 
     real = gguf_quant.repack
+
+    def reference(data, qtype, shape, out=None):
+        if kernel_layout and gguf_quant.kq_format(qtype, tuple(shape)) is not None:
+            return real(data, qtype, shape)
+        return gguf_quant.parse(data, qtype, shape)
+
     try:
-        gguf_quant.repack = lambda data, qtype, shape, out=None: gguf_quant.parse(data, qtype, shape)
+        gguf_quant.repack = reference
         return gguf_state_dict(reader, gguf_config(reader), keep_quantized=True)
     finally:
         gguf_quant.repack = real

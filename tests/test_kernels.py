@@ -35,6 +35,9 @@ GOLDEN = {
     "gguf-repack": "2d6efd8a06d30a86",  # csrc/gguf/repack.h over random blocks of every format (tested against numpy too)
     # the K-quant rule (csrc/core/kquant.h): the x16 layout of random Q4_K / Q6_K blocks and the reference's outputs
     "kquant-q4k": "b405ec6ce721fd6a", "kquant-q6k": "16cf73402510a2ff",
+    # its block formats: the x16 layout of random Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks and the reference's outputs
+    "kblock-q4_0": "6a092a4f8466d774", "kblock-q4_1": "bc1cb4ad4fbdd8b2", "kblock-q5_0": "ab284efcb9f1382b",
+    "kblock-q8_0": "ec73ceb0fcce6d66",
 }
 
 

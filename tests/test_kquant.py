@@ -203,7 +203,7 @@ def test_which_tensors_take_the_rule(monkeypatch):
     assert kq_format("Q4_K", (32, 512)) == (12, 256, 12, False)
     assert kq_format("Q6_K", (48, 256)) == (14, 256, 14, False)
     assert kq_format("Q4_K", (37, 512)) is None  # rows not whole tiles: the groups-of-32 code
-    assert kq_format("Q5_K", (32, 512)) is None and kq_format("Q8_0", (32, 512)) is None
+    assert kq_format("Q5_K", (32, 512)) is None and kq_format("Q8_0", (32, 512)) == (108, 32, 108, False)
     monkeypatch.setenv("DRAFTWISE_EXACT_ACTIVATIONS", "1")  # fp32 activations: the groups-of-32 code
     assert kq_format("Q4_K", (32, 512)) is None
     assert repack(random_blocks("Q4_K", 32, 256, 1), "Q4_K", (32, 256)).bits == 4

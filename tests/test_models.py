@@ -314,7 +314,7 @@ def _unfused_reference(path):
     from tests.conftest import reference_state_dict
 
     reader = GGUFReader(str(path))
-    return from_state_dict(gguf_config(reader), reference_state_dict(reader), torch.float32)
+    return from_state_dict(gguf_config(reader), reference_state_dict(reader, kernel_layout=True), torch.float32)
 
 
 @pytest.mark.parametrize("arch,qtypes", [("qwen2", MIXED), ("llama", MIXED), ("qwen2", ("Q8_0", "F16", "Q4_1"))])

@@ -189,7 +189,7 @@ def test_real_gguf_is_read_in_place_exactly(smollm):
     assert (folder / LAYOUT_FILE).exists()  # (a kept copy may be there too: serve --replicas makes one)
     reader = GGUFReader(str(path))
     cfg = gguf_config(reader)
-    ref = prefuse(reference_state_dict(reader), cfg)
+    ref = prefuse(reference_state_dict(reader, kernel_layout=True), cfg)
     got = read_in_place(path, cfg, json.loads((folder / LAYOUT_FILE).read_text()))
     assert sorted(got) == sorted(ref)
     for k, v in ref.items():

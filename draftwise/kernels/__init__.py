@@ -1,7 +1,7 @@
-"""Weight-only quantized linear layers for CPU decoding (Q4_K / Q6_K in the GGUF's own blocks, int8 / int4
-groupwise, or dense bf16 / fp32; batch-invariant). Quantized weights multiply int8 activations (per-row
-blocks of 256 for Q4_K / Q6_K, of 32 for the groupwise code, as llama.cpp does);
-``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps fp32 activations instead (Q4_K / Q6_K then load in the groupwise
+"""Weight-only quantized linear layers for CPU decoding (Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q8_0 in the GGUF's
+own blocks, int8 / int4 groupwise, or dense bf16 / fp32; batch-invariant). Quantized weights multiply int8
+activations (per-row blocks of 256 for Q4_K / Q6_K, of 32 for the block formats and the groupwise code, as
+llama.cpp does); ``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps fp32 activations instead (GGUF blocks then load in the groupwise
 code; slower, for measuring what the activation rounding costs). Dense weights always take fp32 activations.
 
 The C++ kernel (``csrc/``: ``core/`` the numeric rules ``qmm.h`` and ``kquant.h``, their scalar references and
@@ -366,7 +366,7 @@ def _tune_multi(ext) -> None:
     the groups-of-32 code's default path is not always the fastest there (AMD Zen 5: at 8 rows
     ``avx512vnni`` is slower than ``avx512``; at one row every path waits on memory alike). So each path
     the CPU has is timed once on an 8-row int4 and int8 matmul, and a path more than ``MULTI_MARGIN``
-    faster than the default takes those calls. (The K-quant rule, Q4_K / Q6_K, always runs on the default
+    faster than the default takes those calls. (The K-quant rule, the GGUF formats' own, always runs on the default
     path: AVX512-VNNI is 1.3-1.6x AVX-512 there at 4-16 rows.) Every path computes the same bits: this
     choice moves speed, never a token. The result is cached per kernel build, CPU and thread count in ``$DRAFTWISE_HOME/kernels``;
     ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``) skips it."""
@@ -541,7 +541,7 @@ def set_activation_bits(model: nn.Module, bits: int) -> None:
         if isinstance(m, QLinear) and m.bits in (4, 8):
             m.act_bits = bits
         elif isinstance(m, QLinear) and m.bits in KQ_BITS and bits != 8:
-            raise ValueError("a K-quant (Q4_K / Q6_K) linear has int8 activations only: load the model with "
+            raise ValueError(f"a {KQ_NAMES[m.bits]} linear (the K-quant rule) has int8 activations only: load the model with "
                              "DRAFTWISE_EXACT_ACTIVATIONS=1 for fp32 activations")
 
 
@@ -555,12 +555,17 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * (amax / 127.0)).view(M, K)
 
 
-KQ_BITS = {12: 2368, 14: 3392}  # QLinear ``bits`` of the K-quant rule (Q4_K, Q6_K; csrc/core/kquant.h): tile bytes
+# QLinear ``bits`` of the K-quant rule (csrc/core/kquant.h: kKq4 ... kKb80) -> bytes of a 16-column tile per
+# block, and the block's values: Q4_K, Q6_K (ggml ids 12, 14; super-blocks of 256) and the block formats Q4_0,
+# Q4_1, Q5_0, Q8_0 (100 + their ggml ids; blocks of 32)
+KQ_BITS = {12: 2368, 14: 3392, 102: 288, 103: 320, 106: 352, 108: 544}
+KQ_BLOCK = {12: 256, 14: 256, 102: 32, 103: 32, 106: 32, 108: 32}
+KQ_NAMES = {12: "Q4_K", 14: "Q6_K", 102: "Q4_0", 103: "Q4_1", 106: "Q5_0", 108: "Q8_0"}
 
 
 def kq_shape(q: torch.Tensor, bits: int) -> tuple[int, int]:
-    """(N, K) of a K-quant code q: (N / 16 tiles, K / 256 * tile bytes) uint8."""
-    return q.shape[0] * 16, q.shape[1] // KQ_BITS[bits] * 256
+    """(N, K) of a K-quant code q: (N / 16 tiles, K / block * tile bytes) uint8."""
+    return q.shape[0] * 16, q.shape[1] // KQ_BITS[bits] * KQ_BLOCK[bits]
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int) -> torch.Tensor:
@@ -584,8 +589,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, 
 
 
 class QLinear(nn.Module):
-    """y = x @ W^T (+ b) with W held as (q, scale, minv) groups (csrc/core/qmm.h), or, for ``bits`` 12 / 14, as
-    the GGUF's own Q4_K / Q6_K blocks interleaved by 16 columns (csrc/core/kquant.h; ``scale`` is then (N, 0))."""
+    """y = x @ W^T (+ b) with W held as (q, scale, minv) groups (csrc/core/qmm.h), or, for ``bits`` in ``KQ_BITS``,
+    as the GGUF's own Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks interleaved by 16 columns
+    (csrc/core/kquant.h; ``scale`` is then (N, 0))."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, group: int, bits: int,
                  bias: torch.Tensor | None = None):
@@ -651,7 +657,8 @@ class QLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        fmt = {16: "bf16", 32: "fp32", 12: "Q4_K x16", 14: "Q6_K x16"}.get(self.bits, f"int{self.bits}, group={self.group}")
+        fmt = {16: "bf16", 32: "fp32", **{b: f"{n} x16" for b, n in KQ_NAMES.items()}}.get(
+            self.bits, f"int{self.bits}, group={self.group}")
         return f"in={self.in_features}, out={self.out_features}, {fmt}"
 
 

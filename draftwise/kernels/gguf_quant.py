@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import pack4
+from . import KQ_BITS as KQ_TILE, KQ_BLOCK, pack4
 
 QK_K = 256
 
@@ -146,30 +146,31 @@ def repack_format(qtype: str) -> tuple[int, int, int, bool] | None:
     return None if fmt is None else (tid, *fmt)
 
 
-KQ_TYPES = {"Q4_K": 12, "Q6_K": 14}  # GGML types computed by the K-quant rule (csrc/core/kquant.h), by ggml id
-KQ_TILE = {12: 2368, 14: 3392}  # bytes of one 16-column tile per super-block of 256 (kquant.h)
+# GGML types computed by the K-quant rule (csrc/core/kquant.h) -> its format id (QLinear ``bits``): the ggml id
+# for Q4_K / Q6_K, 100 + the ggml id for the block formats (one float step per block of 32)
+KQ_TYPES = {"Q4_K": 12, "Q6_K": 14, "Q4_0": 102, "Q4_1": 103, "Q5_0": 106, "Q8_0": 108}
 
 
 def kq_format(qtype: str, shape: tuple[int, int]) -> tuple[int, int, int, bool] | None:
-    """(ggml type id, group, bits, has_min) = (id, 256, id, False) when an (N, K) tensor of GGML type
+    """(format id, block, format id, has_min) = (id, 256 | 32, id, False) when an (N, K) tensor of GGML type
     ``qtype`` runs on the K-quant rule (csrc/core/kquant.h: the file's own integers, 16 columns interleaved;
-    ``QLinear`` with ``bits`` 12 / 14): Q4_K / Q6_K with N a multiple of 16, with the kernel built and int8
-    activations (``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps the groups-of-32 code, which has an fp32-activation
-    path). Else None."""
+    ``QLinear`` with ``bits`` in ``KQ_BITS``): Q4_K / Q6_K (K a multiple of 256) and Q4_0 / Q4_1 / Q5_0 / Q8_0
+    (K a multiple of 32), with N a multiple of 16, the kernel built and int8 activations
+    (``DRAFTWISE_EXACT_ACTIVATIONS=1`` keeps the groups-of-32 code, which has an fp32-activation path). Else None."""
     from . import activation_bits, extension
 
     tid = KQ_TYPES.get(qtype)
     N, K = shape
-    if tid is None or N % 16 or K % QK_K or activation_bits() != 8 or extension() is None:
+    if tid is None or N % 16 or K % KQ_BLOCK[tid] or activation_bits() != 8 or extension() is None:
         return None
-    return tid, QK_K, tid, False
+    return tid, KQ_BLOCK[tid], tid, False
 
 
 def kq_code(N: int, K: int, tid: int) -> QCode:
-    """An empty K-quant code for an (N, K) tensor: q (N / 16 tiles, K / 256 * tile bytes) uint8; scale
+    """An empty K-quant code for an (N, K) tensor: q (N / 16 tiles, K / block * tile bytes) uint8; scale
     (N, 0) so that slicing rows (of 16) works as for the other codes."""
-    return QCode(torch.empty(N // 16, K // QK_K * KQ_TILE[tid], dtype=torch.uint8), torch.empty(N, 0), None,
-                 QK_K, tid)
+    return QCode(torch.empty(N // 16, K // KQ_BLOCK[tid] * KQ_TILE[tid], dtype=torch.uint8), torch.empty(N, 0), None,
+                 KQ_BLOCK[tid], tid)
 
 
 def code_rows(code: QCode, row: int, n: int) -> QCode:

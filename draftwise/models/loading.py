@@ -31,8 +31,8 @@ from .base import ModelConfig
 from .registry import draftwise_home
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
-CONVERT_VERSION = 4  # bump when the converted layout changes (2: projections stored fused; 3: GGUF read in place;
-# 4: Q4_K / Q6_K kept in their own blocks, csrc/core/kquant.h)
+CONVERT_VERSION = 5  # bump when the converted layout changes (2: projections stored fused; 3: GGUF read in place;
+# 4: Q4_K / Q6_K kept in their own blocks, csrc/core/kquant.h; 5: so are Q4_0 / Q4_1 / Q5_0 / Q8_0)
 SOURCE_RECORD = "draftwise_source.json"  # in each converted folder: the GGUF it was made from
 LAYOUT_FILE = "gguf_layout.json"  # in each converted folder: where each tensor lies in the GGUF
 
@@ -230,6 +230,7 @@ def _fused_targets(table: list[dict], cfg: ModelConfig) -> tuple[dict, dict[str,
     """For ``read_in_place``: each run of block-quantized parts (``_fuse_runs``) gets its fused matrix
     allocated once and every part is re-packed straight into its rows (no concatenation copy). Returns
     ({part weight name: QCode of row views}, {fused entries for the state dict}, those runs)."""
+    from ..kernels import KQ_BITS
     from ..kernels.gguf_quant import QCode, code_rows, kq_code, kq_format, repack_format
 
     shapes, fmts, names = {}, {}, {_hf_name(e["name"]) for e in table}
@@ -251,7 +252,7 @@ def _fused_targets(table: list[dict], cfg: ModelConfig) -> tuple[dict, dict[str,
         runs.append((out, p, run))
         _, group, bits, has_min, _ = f
         N, K = sum(shapes[p + r][0] for r in run), shapes[p + run[0]][1]
-        if group == 256:  # the K-quant code (kq_format): every part's rows are whole tiles of 16
+        if bits in KQ_BITS:  # the K-quant code (kq_format): every part's rows are whole tiles of 16
             code = kq_code(N, K, bits)
         else:
             code = QCode(torch.empty(N, K * bits // 8, dtype=torch.uint8 if bits == 4 else torch.int8),
@@ -425,13 +426,29 @@ def _write_converted(path: Path, out: Path, sd: dict | None, weights_name: str, 
 
 
 def quantize_linears(sd: dict[str, torch.Tensor], bits: int) -> dict[str, torch.Tensor]:
-    """Round-to-nearest groupwise quantization (``kernels.quantize_rtn``, groups of 32) of every projection
-    matrix (not embeddings, not norms): the ``int8`` / ``int4`` weight formats."""
-    from ..kernels import quantize_rtn
+    """Round-to-nearest quantization in blocks of 32 of every projection matrix (not embeddings, not norms):
+    the ``int8`` / ``int4`` weight formats. Where the K-quant rule takes them (``kernels.gguf_quant.kq_format``:
+    whole 16-row tiles, the kernel built, int8 activations) they are written as GGUF Q8_0 / Q4_1 blocks
+    (gguf's own quantizer: fp16 scale, and min for Q4_1; 8.5 / 5 bits a weight) in its x16 layout, which
+    runs one float step per block of 32 and shares each decoded weight among a tile of rows; else as the
+    groups-of-32 code (``kernels.quantize_rtn``: fp32 scale and min, 9 / 6 bits a weight)."""
+    import numpy as np
 
+    from ..kernels import quantize_rtn
+    from ..kernels.gguf_quant import kq_format, repack
+
+    qtype = "Q8_0" if bits == 8 else "Q4_1"
     out = {}
     for k, v in sd.items():
         if v.dim() == 2 and k != "model.embed_tokens.weight" and v.shape[1] % 32 == 0:
+            if kq_format(qtype, tuple(v.shape)) is not None:
+                from gguf import GGMLQuantizationType
+                from gguf.quants import quantize
+
+                raw = quantize(np.ascontiguousarray(v.float().numpy()), getattr(GGMLQuantizationType, qtype))
+                code = repack(raw, qtype, tuple(v.shape))
+                out.update({k + ".q": code.q, k + ".scale": code.scale, k + ".qmeta": torch.tensor([code.group, code.bits])})
+                continue
             q, scale, minv = quantize_rtn(v.float(), bits, 32)
             out.update({k + ".q": q, k + ".scale": scale, k + ".qmeta": torch.tensor([32, bits])})
             if minv is not None:
@@ -455,8 +472,8 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep:
     from ..kernels import activation_bits
 
     tag = dtype if isinstance(dtype, str) else _dtype_name(dtype)
-    if tag == "gguf" and activation_bits() == 32:  # Q4_K / Q6_K kept in groups of 32 (kernels.gguf_quant.kq_format)
-        tag = "gguf-exact"
+    if tag in ("gguf", "int8", "int4") and activation_bits() == 32:  # the groups-of-32 code, not the K-quant rule's
+        tag += "-exact"  # (kernels.gguf_quant.kq_format; quantize_linears)
     weights = out / f"model-{tag}.safetensors"
     cfg_file = out / "draftwise_config.json"
     described = cfg_file.exists() and (out / "tokenizer_config.json").exists()

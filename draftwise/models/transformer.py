@@ -409,7 +409,7 @@ class QEmbedding(nn.Module):
                  dtype: torch.dtype):
         super().__init__()
         self.group, self.bits, self.dtype = group, bits, dtype
-        self.register_buffer("q", q)  # (V, D/2) uint8 | (V, D) int8 | (V/16, D/256 * tile) uint8 (K-quant)
+        self.register_buffer("q", q)  # (V, D/2) uint8 | (V, D) int8 | (V/16, D/block * tile) uint8 (K-quant)
         self.register_buffer("scale", scale)  # (V, D/G) float32 | (V, 0)
         self.register_buffer("minv", minv)  # (V, D/G) float32, or empty
         self.num_embeddings = scale.shape[0]

@@ -86,26 +86,37 @@ torch::Tensor dequantize_bf16(torch::Tensor q, torch::Tensor scale, torch::Tenso
   return out;
 }
 
-// The K-quant rule (kquant.h): x (M, K) f32 quantized per 256 (act_q8k), then run(args) over w, the x16
-// layout of an (N, K) Q4_K / Q6_K tensor
+// The K-quant rule (kquant.h): x (M, K) f32 quantized per 256 (act_q8k) or, for the block formats, per 32
+// (act_q8b), then run(args) over w, the x16 layout of an (N, K) tensor of format fmt
+void kq_check_format(const char* what, int64_t fmt, int64_t K) {
+  TORCH_CHECK(dw::kq_valid((int)fmt), what, ": format must be Q4_K (12), Q6_K (14), Q4_0 (102), Q4_1 (103), Q5_0 (106) "
+              "or Q8_0 (108), not ", fmt);
+  TORCH_CHECK(K > 0 && K % dw::kq_block_values((int)fmt) == 0, what, ": K must be a positive multiple of ",
+              dw::kq_block_values((int)fmt));
+}
+
 template <class Run>
 torch::Tensor kq_call(const char* what, torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N, Run run) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: (M, K) f32");
-  TORCH_CHECK(fmt == dw::kKq4 || fmt == dw::kKq6, what, ": format must be Q4_K (12) or Q6_K (14)");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % dw::QK == 0, what, ": K must be a multiple of 256");
+  kq_check_format(what, fmt, K);
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == dw::kq_bytes((int)fmt, N, K),
               what, ": w does not hold an (N, K) tensor of this format");
   auto out = torch::empty({M, N}, x.options());
+  const bool block = dw::kq_is_block((int)fmt);
+  const int64_t nd = K / dw::kq_block_values((int)fmt);  // activation scales per row
   std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * (K / dw::QK));
-  std::vector<int32_t> b16n(M * (K / 16)), b32(M * (K / 32));
-  std::vector<uint8_t> e(M * (K / 32));
+  std::vector<float> d(M * nd);
+  std::vector<int32_t> b16n(block ? 0 : M * (K / 16)), b32(M * (K / 32));
+  std::vector<uint8_t> e(block ? 0 : M * (K / 32));
   const float* xp = x.data_ptr<float>();
-  const dw::IsaOps* ops = dw::active();  // its act_k: act_q8k's bits on this path's vectors
+  const dw::IsaOps* ops = dw::active();  // its act_k / act_b: the reference's bits on this path's vectors
   dw::parallel_for(M, 1, kernel_threads(), [&](int64_t m0, int64_t m1) {
-    ops->act_k(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * (K / dw::QK), b16n.data() + m0 * (K / 16),
-               b32.data() + m0 * (K / 32), e.data() + m0 * (K / 32));
+    if (block)
+      ops->act_b(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * nd, b32.data() + m0 * (K / 32));
+    else
+      ops->act_k(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * nd, b16n.data() + m0 * (K / 16),
+                 b32.data() + m0 * (K / 32), e.data() + m0 * (K / 32));
   });
   dw::KqArgs a{};
   a.M = M, a.K = K, a.N = N, a.fmt = (int)fmt;
@@ -134,13 +145,12 @@ torch::Tensor kq_amx(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N, b
   });
 }
 
-// GGUF Q4_K / Q6_K bytes of an (N, K) tensor (rows one after the other) -> the x16 layout (kquant.h),
+// GGUF Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q8_0 bytes of an (N, K) tensor (rows one after the other) -> the x16 layout (kquant.h),
 // written into `out` (kq_bytes uint8, e.g. the rows of a fused matrix) or, when it is empty, a new tensor
 torch::Tensor kq_pack(torch::Tensor src, int64_t fmt, int64_t N, int64_t K, torch::Tensor out) {
-  TORCH_CHECK(fmt == dw::kKq4 || fmt == dw::kKq6, "kq_pack: format must be Q4_K (12) or Q6_K (14)");
-  TORCH_CHECK(K % dw::QK == 0, "kq_pack: K must be a multiple of 256");
+  kq_check_format("kq_pack", fmt, K);
   TORCH_CHECK(src.scalar_type() == torch::kUInt8 && src.is_contiguous() &&
-              src.numel() == N * (K / dw::QK) * (fmt == dw::kKq4 ? 144 : 210), "kq_pack: src size");
+              src.numel() == N * (K / dw::kq_block_values((int)fmt)) * dw::kq_gguf_block((int)fmt), "kq_pack: src size");
   if (out.numel() == 0) out = torch::empty({dw::kq_bytes((int)fmt, N, K)}, torch::TensorOptions().dtype(torch::kUInt8));
   TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.is_contiguous() && out.numel() == dw::kq_bytes((int)fmt, N, K),
               "kq_pack: out size");
@@ -153,8 +163,8 @@ torch::Tensor kq_pack(torch::Tensor src, int64_t fmt, int64_t N, int64_t K, torc
 
 // rows idx of an x16-layout (N, K) tensor, de-quantized: (len(idx), K) f32 (an embedding lookup)
 torch::Tensor kq_rows(torch::Tensor w, int64_t fmt, int64_t N, int64_t K, torch::Tensor idx) {
-  TORCH_CHECK(fmt == dw::kKq4 || fmt == dw::kKq6, "kq_rows: format must be Q4_K (12) or Q6_K (14)");
-  TORCH_CHECK(K % dw::QK == 0 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
+  kq_check_format("kq_rows", fmt, K);
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
               w.numel() == dw::kq_bytes((int)fmt, N, K), "kq_rows: w size");
   TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.dim() == 1, "kq_rows: idx (n,) int64");
   auto ic = idx.contiguous();
@@ -172,8 +182,8 @@ torch::Tensor kq_rows(torch::Tensor w, int64_t fmt, int64_t N, int64_t K, torch:
 
 // the x16 layout -> (N, K) f32 weights (kquant.h kq_dequant_rows)
 torch::Tensor kq_dequant(torch::Tensor w, int64_t fmt, int64_t N, int64_t K) {
-  TORCH_CHECK(fmt == dw::kKq4 || fmt == dw::kKq6, "kq_dequant: format must be Q4_K (12) or Q6_K (14)");
-  TORCH_CHECK(K % dw::QK == 0 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
+  kq_check_format("kq_dequant", fmt, K);
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
               w.numel() == dw::kq_bytes((int)fmt, N, K), "kq_dequant: w size");
   auto out = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kFloat32));
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -327,8 +337,8 @@ py::tuple amx_verify(const std::string& mode) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "weight-only quantized matmul (CPU), the rule of qmm.h on the active path");
-  m.def("qmm_kq", &qmm_kq, "the K-quant rule (kquant.h): x @ W^T for Q4_K / Q6_K weights in the x16 layout");
-  m.def("kq_pack", &kq_pack, "GGUF Q4_K / Q6_K rows -> the x16 layout");
+  m.def("qmm_kq", &qmm_kq, "the K-quant rule (kquant.h): x @ W^T for Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q8_0 weights in the x16 layout");
+  m.def("kq_pack", &kq_pack, "GGUF Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q8_0 rows -> the x16 layout");
   m.def("kq_rows", &kq_rows, "rows of an x16-layout tensor, de-quantized (embedding lookups)");
   m.def("kq_dequant", &kq_dequant, "x16 layout -> (N, K) f32 weights");
   m.def("dequantize_bf16", &dequantize_bf16, "int4 / int8 code -> (N, K) bf16 weights");

@@ -1,6 +1,8 @@
 // The K-quant rule: Q4_K and Q6_K weights computed from the GGUF's own integers, with the sub-block
 // scales applied in integer arithmetic and one float step per super-block of 256 (the formats of a
-// Q4_K_M / Q5_K_M / Q6_K file's large matrices). Other formats keep the rule of qmm.h.
+// Q4_K_M / Q5_K_M / Q6_K file's large matrices); and its block-of-32 sibling for Q4_0, Q4_1, Q5_0 and
+// Q8_0 (BLOCK FORMATS below: one integer dot product and one float step per block of 32). Other formats
+// (and fp32 activations) keep the rule of qmm.h.
 //
 // LAYOUT ("x16": 16 output columns interleaved, the GGUF's bytes re-laid out at load, never re-quantized)
 //   A tensor (N, K) is cut into tiles of 16 consecutive output columns (rows of W; the last tile padded
@@ -42,6 +44,23 @@
 //   keeps the 16 columns of a tile in vector lanes and computes exactly these scalar chains.
 // Ranges: |S| < 2^31 (Q4_K: 8 * 63 * 32 * 15 * 127 * 8 < 2^28; Q6_K: 16 * 128 * 16 * 32 * 127 * 8 < 2^30.1),
 //   |Mn| < 2^24: no overflow.
+// BLOCK FORMATS (Q4_0, Q4_1, Q5_0, Q8_0: a fp16 scale per block of 32 weights; the shapes of small models,
+//   whose K is often not a multiple of 256, e.g. Qwen2.5-0.5B's 896, where a Q4_K_M file falls back to
+//   Q5_0 / Q8_0). The same x16 tiles, one "block" = 32 values, so tile t holds K / 32 blocks, laid out as
+//   regions (each 64-byte aligned: the weight loads never straddle cache lines), [block][item][column]:
+//     qs  [K/32][g][16][4] u8  column c's GGUF qs bytes 4g..4g+3 (g < 4; Q8_0: g < 8, the int8 codes)
+//     qh  [K/32][16][4]    u8  Q5_0 only: column c's 32 fifth bits, re-ordered so that byte i holds
+//                              bit g = the fifth bit of value 4g + i, bit 4 + g = that of value 16 + 4g + i
+//                              (the values of byte i of qs group g), g = 0..3
+//     d   [K/32][16]       fp16   m [K/32][16] fp16 (Q4_1 only)
+//   Bytes per column and block: Q4_0 18, Q4_1 20, Q5_0 22, Q8_0 34: exactly the GGUF's.
+//   Activations (act_q8b): per row and block of 32, amax = max |x|, qx = round_even(x * (127 / amax)) (0
+//   where amax = 0), dx = amax / 127 (act.d, (M, K / 32)), bsum = sum of qx (act.b32, not shifted).
+//   THE RULE: per (row, column), acc = 0, then per block b in k order, with u the file's unsigned code
+//   (Q4_0 / Q4_1: 0..15, Q5_0: 0..31) or Q8_0's signed q:
+//     I = sum over the block of u * qx  (Q8_0: q * qx), minus 8 * bsum (Q4_0) / 16 * bsum (Q5_0)  (int32, exact)
+//     acc = fma(float(I), d * dx, acc); Q4_1 also acc = fma(float(bsum), m * dx, acc)
+//   out = acc. (|I| < 2^20.)
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -56,13 +75,41 @@ constexpr int64_t KQ6_TILE = 3392;
 constexpr int64_t KQ4_QS = 0, KQ4_SC = 2048, KQ4_M = 2176, KQ4_D = 2304, KQ4_DMIN = 2336;
 constexpr int64_t KQ6_QL = 0, KQ6_QH = 2048, KQ6_SC = 3072, KQ6_D = 3328;
 
-enum KqFormat : int { kKq4 = 12, kKq6 = 14 };  // = the ggml type ids of Q4_K and Q6_K
+// the format ids (Python passes them; QLinear's ``bits``): the ggml type id for the K-quants, 100 + the ggml
+// type id for the block formats
+enum KqFormat : int { kKq4 = 12, kKq6 = 14, kKb40 = 102, kKb41 = 103, kKb50 = 106, kKb80 = 108 };
 
-inline int64_t kq_tile_bytes(int fmt) { return fmt == kKq4 ? KQ4_TILE : KQ6_TILE; }
+constexpr int64_t KB = 32;  // values per block of the block formats
+inline bool kq_is_block(int fmt) { return fmt == kKb40 || fmt == kKb41 || fmt == kKb50 || fmt == kKb80; }
+inline bool kq_valid(int fmt) { return fmt == kKq4 || fmt == kKq6 || kq_is_block(fmt); }
+inline int64_t kq_block_values(int fmt) { return kq_is_block(fmt) ? KB : QK; }
+// GGUF bytes of one block (= one column's bytes per tile block)
+inline int64_t kq_gguf_block(int fmt) {
+  switch (fmt) {
+    case kKq4: return 144;
+    case kKq6: return 210;
+    case kKb40: return 18;
+    case kKb41: return 20;
+    case kKb50: return 22;
+    default: return 34;
+  }
+}
+// bytes of one tile (16 columns) per block: 16 * kq_gguf_block but for the K-quants' unpacked scales
+inline int64_t kq_tile_bytes(int fmt) { return fmt == kKq4 ? KQ4_TILE : fmt == kKq6 ? KQ6_TILE : 16 * kq_gguf_block(fmt); }
 inline int64_t kq_tiles(int64_t N) { return (N + KQ_COLS - 1) / KQ_COLS; }
-inline int64_t kq_bytes(int fmt, int64_t N, int64_t K) { return kq_tiles(N) * (K / QK) * kq_tile_bytes(fmt); }
+inline int64_t kq_bytes(int fmt, int64_t N, int64_t K) {
+  return kq_tiles(N) * (K / kq_block_values(fmt)) * kq_tile_bytes(fmt);
+}
+// the regions of a block format's tile of nb blocks: byte offsets of qs, qh, d and m (qh / m: -1 if none)
+struct KbRegions { int64_t qs, qh, d, m, qs_block; };
+inline KbRegions kb_regions(int fmt, int64_t nb) {
+  const int64_t qsb = fmt == kKb80 ? 512 : 256, qh = fmt == kKb50 ? nb * qsb : -1;
+  const int64_t d = nb * qsb + (fmt == kKb50 ? nb * 64 : 0);
+  return {0, qh, d, fmt == kKb41 ? d + nb * 32 : -1, qsb};
+}
 
-// One call's quantized activations, M rows (built by act_q8k)
+// One call's quantized activations, M rows (built by act_q8k; for the block formats by act_q8b: q, d
+// (M, K / 32) and b32 (the plain sums), b16n / e unused)
 struct ActQ8K {
   const int8_t* q;      // (M, K) natural order
   const float* d;       // (M, K / 256)
@@ -87,12 +134,15 @@ inline int kq_doublings(float a, float amax) {
   return s;
 }
 
+// the block formats' activations (BLOCK FORMATS above); each path's IsaOps::act_b computes the same bits
+void act_q8b(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* bsum);
 // the reference quantization (every path uses it: the same bits everywhere)
 void act_q8k(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32, uint8_t* e);
 // the reference product for tiles t0..t1 (the rule written out one column at a time)
 void kq_ref(const KqArgs& a, int64_t t0, int64_t t1);
 // (GGUF rows -> this layout: kq_pack_rows, gguf/repack.h)
-// x16 layout -> fp32 weights w = d * sc * q - dmin * m (Q4_K) / d * sc * (u - 32) (Q6_K) of rows n0..n1,
+// x16 layout -> fp32 weights w = d * sc * q - dmin * m (Q4_K) / d * sc * (u - 32) (Q6_K) / d * (u - 8)
+// (Q4_0) / d * u + m (Q4_1) / d * (u - 16) (Q5_0) / d * q (Q8_0) of rows n0..n1,
 // row n at out + (n - n0) * K, every product rounded as written (reference de-quantization, embedding
 // lookups, de-quantized prefill, tests)
 void kq_dequant_rows(int fmt, const uint8_t* w, int64_t N, int64_t K, float* out, int64_t n0, int64_t n1);

@@ -9,6 +9,25 @@
 
 namespace dw {
 
+void act_q8b(const float* xp, int64_t M, int64_t K, int8_t* q, float* d, int32_t* bsum) {
+  const int64_t nb = K / KB;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* x = xp + i * K + b * KB;
+      float amax = 0.f;
+      for (int64_t k = 0; k < KB; ++k) {
+        const float v = std::fabs(x[k]);
+        amax = v > amax ? v : amax;  // NaN never wins
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      d[i * nb + b] = amax / 127.f;
+      int8_t* qb = q + i * K + b * KB;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < KB; ++k) sum += qb[k] = (int8_t)round_even(x[k] * inv);
+      bsum[i * nb + b] = sum;
+    }
+}
+
 void act_q8k(const float* xp, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32, uint8_t* e) {
   const int64_t nb = K / QK;
   for (int64_t i = 0; i < M; ++i) {
@@ -64,6 +83,51 @@ inline int q6_code(const uint8_t* blk, int c, int v) {
   return lo | (((qh >> (2 * part)) & 3) << 4);
 }
 
+// a block format's code of value v (0..31) of column n's block b: the file's unsigned u (Q4_0 / Q4_1 /
+// Q5_0) or Q8_0's signed q; and its d (m: Q4_1's min)
+struct KbCol {
+  const uint8_t* base;  // the tile
+  KbRegions r;
+  int64_t b;
+  int c;
+  int code(int fmt, int v) const {
+    if (fmt == kKb80) return (int8_t)base[r.qs + b * r.qs_block + ((v / 4) * 16 + c) * 4 + v % 4];
+    const int j = v % 16, g = j / 4, i = j % 4;
+    const uint8_t byte = base[r.qs + b * r.qs_block + (g * 16 + c) * 4 + i];
+    int u = v < 16 ? (byte & 15) : (byte >> 4);
+    if (fmt == kKb50) u |= ((base[r.qh + b * 64 + c * 4 + i] >> (v < 16 ? g : 4 + g)) & 1) << 4;
+    return u;
+  }
+  float d() const { return h2f(base + r.d + b * 32 + 2 * c); }
+  float m() const { return h2f(base + r.m + b * 32 + 2 * c); }
+};
+
+inline KbCol kb_col(const uint8_t* w, int fmt, int64_t K, int64_t n, int64_t b) {
+  const int64_t nb = K / KB;
+  return {w + (n / KQ_COLS) * nb * kq_tile_bytes(fmt), kb_regions(fmt, nb), b, (int)(n % KQ_COLS)};
+}
+
+// the block formats' reference (kquant.h BLOCK FORMATS), one column at a time
+void kb_ref(const KqArgs& a, int64_t t0, int64_t t1) {
+  const int64_t K = a.K, nb = K / KB;
+  const int fmt = a.fmt, off = fmt == kKb40 ? 8 : fmt == kKb50 ? 16 : 0;
+  for (int64_t n = t0 * KQ_COLS; n < t1 * KQ_COLS && n < a.N; ++n)
+    for (int64_t m = 0; m < a.M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const KbCol col = kb_col(a.w, fmt, K, n, b);
+        const int8_t* xb = a.act.q + m * K + b * KB;
+        const int32_t bsum = a.act.b32[m * nb + b];
+        int32_t I = -off * bsum;
+        for (int v = 0; v < 32; ++v) I += col.code(fmt, v) * xb[v];
+        const float dx = a.act.d[m * nb + b];
+        acc = std::fma((float)I, col.d() * dx, acc);
+        if (fmt == kKb41) acc = std::fma((float)bsum, col.m() * dx, acc);
+      }
+      a.out[m * a.N + n] = acc;
+    }
+}
+
 // column c's 4-bit code of value v of a Q4_K tile block
 inline int q4_code(const uint8_t* blk, int c, int v) {
   const int chunk = v / 64, r = v % 64, byte = 32 * chunk + r % 32;
@@ -74,6 +138,10 @@ inline int q4_code(const uint8_t* blk, int c, int v) {
 }  // namespace
 
 void kq_ref(const KqArgs& a, int64_t t0, int64_t t1) {
+  if (kq_is_block(a.fmt)) {
+    kb_ref(a, t0, t1);
+    return;
+  }
   const int64_t K = a.K, nb = K / QK;
   for (int64_t n = t0 * KQ_COLS; n < t1 * KQ_COLS && n < a.N; ++n) {
     for (int64_t m = 0; m < a.M; ++m) {
@@ -113,6 +181,20 @@ void kq_ref(const KqArgs& a, int64_t t0, int64_t t1) {
 
 void kq_dequant_rows(int fmt, const uint8_t* w, int64_t N, int64_t K, float* out, int64_t n0, int64_t n1) {
   (void)N;
+  if (kq_is_block(fmt)) {
+    const int off = fmt == kKb40 ? 8 : fmt == kKb50 ? 16 : 0;
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < K / KB; ++b) {
+        const KbCol col = kb_col(w, fmt, K, n, b);
+        const float d = col.d(), m = fmt == kKb41 ? col.m() : 0.f;
+        float* o = out + (n - n0) * K + b * KB;
+        for (int v = 0; v < 32; ++v) {
+          const float s = d * (float)(col.code(fmt, v) - off);
+          o[v] = fmt == kKb41 ? s + m : s;
+        }
+      }
+    return;
+  }
   const int64_t nb = K / QK;
   for (int64_t n = n0; n < n1; ++n) {
     float* o = out + (n - n0) * K;

@@ -81,6 +81,8 @@ struct IsaOps {
   // the K-quant rule (kquant.h) over tiles t0..t1 of 16 columns, and its activations (act_q8k's bits)
   void (*qmm_k)(const KqArgs& a, int64_t t0, int64_t t1);
   void (*act_k)(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32, uint8_t* e);
+  // the block formats' activations (kquant.h BLOCK FORMATS: act_q8b's bits)
+  void (*act_b)(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* bsum);
 };
 
 // int8 activations apply when the code rows split into whole 32-byte half steps

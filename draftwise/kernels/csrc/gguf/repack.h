@@ -3,6 +3,8 @@
 // interleaved CPU formats at load in the same way). The reference is kernels/gguf_quant.py parse(): the
 // tests check that both give the same bytes for every format handled here.
 //
+// (With int8 activations, Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q8_0 tensors of whole 16-row tiles take the
+// K-quant rule's layout instead, kq_pack_rows below; this code serves the rest and fp32 activations.)
 //   GGML  block  -> kernel code                       scale (per group)   minv (per group)
 //   Q4_0  32 B18 -> int4, G 32 (bytes as stored)      d                   8 d
 //   Q4_1  32 B20 -> int4, G 32 (bytes as stored)      d                   -m
@@ -36,9 +38,9 @@ bool repack_format(int type, RepackFormat* f);
 void repack_rows(int type, const uint8_t* src, int64_t K, uint8_t* q, float* scale, float* minv, int64_t n0,
                  int64_t n1);
 
-// GGUF Q4_K / Q6_K rows (n0..n1 of an (N, K) tensor whose rows lie one after the other at src) -> their
-// columns of the K-quant rule's x16 layout (core/kquant.h) at dst (kq_bytes(fmt, N, K) bytes; padding
-// columns are written by the tile that holds column N - 1: zero). fmt: kKq4 / kKq6 (kquant_pack.cpp)
+// GGUF Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q8_0 rows (n0..n1 of an (N, K) tensor whose rows lie one after the
+// other at src) -> their columns of the K-quant rule's x16 layout (core/kquant.h) at dst (kq_bytes(fmt, N, K)
+// bytes; padding columns are written by the tile that holds column N - 1: zero). fmt: a KqFormat (kquant_pack.cpp)
 void kq_pack_rows(int fmt, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int64_t n0, int64_t n1);
 
 }  // namespace dw

@@ -338,6 +338,111 @@ int check_kquant(const char* const* names, int npaths) {
   return failures;
 }
 
+// The block formats (kquant.h BLOCK FORMATS): random GGUF Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks re-laid out in two
+// row ranges, N = 37 (a partial tile) and 32, K = 160 (five blocks: not a multiple of 64); the layout's
+// de-quantization must equal the GGUF's own formulas decoded here from the file's bytes, every path's
+// activations (act_b) and product the reference's for 13 rows and for rows alone (and the AMX path's call,
+// which runs these formats on AVX512-VNNI), and the reference must be close to doubles. One checksum per
+// format (pinned: the same on ARM).
+float gguf_block_value(int fmt, const uint8_t* g, int v) {  // value v of one GGUF block: ggml's formulas
+  const float d = dw::half_to_float((uint16_t)(g[0] | (g[1] << 8)));
+  if (fmt == dw::kKb80) return d * (float)(int8_t)g[2 + v];
+  const uint8_t* qs = g + (fmt == dw::kKb40 ? 2 : fmt == dw::kKb41 ? 4 : 6);
+  int u = v < 16 ? (qs[v] & 15) : (qs[v - 16] >> 4);
+  if (fmt == dw::kKb50) {
+    const uint32_t qh = (uint32_t)g[2] | ((uint32_t)g[3] << 8) | ((uint32_t)g[4] << 16) | ((uint32_t)g[5] << 24);
+    u |= (int)((qh >> v) & 1) << 4;
+  }
+  if (fmt == dw::kKb41) return d * (float)u + dw::half_to_float((uint16_t)(g[2] | (g[3] << 8)));
+  return d * (float)(u - (fmt == dw::kKb40 ? 8 : fmt == dw::kKb50 ? 16 : 0));
+}
+
+int check_kblock(const char* const* names, int npaths) {
+  int failures = 0;
+  for (int fmt : {dw::kKb40, dw::kKb41, dw::kKb50, dw::kKb80}) {
+    uint64_t h = 1469598103934665603ull;
+    bool ok = true;
+    for (int64_t N : {37, 32}) {
+      const int64_t K = 160, M = 13, nb = K / dw::KB, gb = dw::kq_gguf_block(fmt);
+      std::vector<uint8_t> src(N * nb * gb), w(dw::kq_bytes(fmt, N, K));
+      for (auto& b : src) b = (uint8_t)next_u32();
+      for (int64_t i = 0; i < N * nb; ++i)
+        for (int k = 0; k < (fmt == dw::kKb41 ? 2 : 1); ++k) {
+          uint16_t v = (uint16_t)(next_u32() & 0xBBFF);  // finite
+          if (i % 7 == 3) v = (uint16_t)(v & 0x83FF);    // subnormal
+          v = (uint16_t)((v & 0x8000) | ((v & 0x7FFF) % 0x2400));
+          std::memcpy(&src[i * gb + 2 * k], &v, 2);
+        }
+      dw::kq_pack_rows(fmt, src.data(), N, K, w.data(), 0, 5);
+      dw::kq_pack_rows(fmt, src.data(), N, K, w.data(), 5, N);
+      std::vector<float> wd(N * K);
+      dw::kq_dequant_rows(fmt, w.data(), N, K, wd.data(), 0, N);
+      for (int64_t n = 0; n < N && ok; ++n)
+        for (int64_t k = 0; k < K; ++k) {
+          const float want = gguf_block_value(fmt, &src[(n * nb + k / 32) * gb], (int)(k % 32));
+          if (std::memcmp(&want, &wd[n * K + k], 4)) {
+            std::printf("MISMATCH kblock-%d layout: row %lld value %lld\n", fmt, (long long)n, (long long)k);
+            ok = false;
+            break;
+          }
+        }
+      std::vector<float> x(M * K);
+      for (auto& v : x) v = next_f() * 3.0f;
+      for (int64_t k = 0; k < 32; ++k) x[k] = 0.f;  // an all-zero activation block
+      x[K + 5] = 1e4f;                               // a block with one huge value
+      auto run = [&](const dw::IsaOps* ops, const float* xp, int64_t rows) {
+        std::vector<int8_t> q(rows * K), rq(rows * K);
+        std::vector<float> d(rows * nb), rd(rows * nb), out(rows * N);
+        std::vector<int32_t> bs(rows * nb), rbs(rows * nb);
+        ops->act_b(xp, rows, K, q.data(), d.data(), bs.data());
+        dw::act_q8b(xp, rows, K, rq.data(), rd.data(), rbs.data());
+        if (rq != q || std::memcmp(rd.data(), d.data(), d.size() * 4) || rbs != bs) {
+          std::printf("MISMATCH act_b on path %s\n", ops->name);
+          ok = false;
+        }
+        dw::KqArgs a{};
+        a.M = rows, a.K = K, a.N = N, a.fmt = fmt, a.w = w.data(), a.out = out.data();
+        a.act = {q.data(), d.data(), nullptr, bs.data(), nullptr};
+        const int64_t tiles = dw::kq_tiles(N);
+        ops->qmm_k(a, 0, 1);
+        ops->qmm_k(a, 1, tiles);
+        return out;
+      };
+      const std::vector<float> ref = run(&dw::kScalar, x.data(), M);
+      for (int p = 0; p <= npaths; ++p) {  // every path, then the AMX path's call (emulated)
+        const dw::IsaOps* ops = p < npaths ? dw::path_by_name(names[p]) : amx_emulated_ops();
+        if (std::memcmp(run(ops, x.data(), M).data(), ref.data(), ref.size() * 4)) {
+          std::printf("MISMATCH kblock-%d N=%lld on path %s\n", fmt, (long long)N, ops->name);
+          ok = false;
+        }
+        for (int64_t m : {0, 1, 12}) {
+          if (std::memcmp(run(ops, x.data() + m * K, 1).data(), ref.data() + m * N, N * 4)) {
+            std::printf("NOT BATCH-INVARIANT kblock-%d on path %s (row %lld)\n", fmt, ops->name, (long long)m);
+            ok = false;
+          }
+        }
+      }
+      double err = 0, mag = 0;  // the reference against doubles: row 2
+      for (int64_t n = 0; n < N; ++n) {
+        double dsum = 0;
+        for (int64_t k = 0; k < K; ++k) dsum += (double)wd[n * K + k] * x[2 * K + k];
+        err = std::fmax(err, std::fabs(dsum - ref[2 * N + n]));
+        mag = std::fmax(mag, std::fabs(dsum));
+      }
+      if (!(err <= 0.02 * mag)) {
+        std::printf("INACCURATE kblock-%d: max error %g of %g\n", fmt, err, mag);
+        ok = false;
+      }
+      h = fnv(w.data(), w.size(), fnv(ref.data(), ref.size() * 4, h));
+    }
+    const char* name = fmt == dw::kKb40 ? "kblock-q4_0" : fmt == dw::kKb41 ? "kblock-q4_1" : fmt == dw::kKb50 ? "kblock-q5_0" : "kblock-q8_0";
+    std::printf("%-20s %016llx %s\n", name, (unsigned long long)h, ok ? "ok" : "FAIL");
+    failures += !ok;
+  }
+  return failures;
+}
+
+
 // The AMX tile kernel on emulated tiles for 1-33 and 40 rows, both formats, through the same check (in a
 // forked child) that verifies the hardware kernel on a CPU with AMX; and the check must refuse a kernel
 // whose result differs in one bit.
@@ -470,6 +575,7 @@ int main() {
   }
   failures += check_pool();
   failures += check_kquant(names, npaths);
+  failures += check_kblock(names, npaths);
   failures += check_amx();
   {
     const uint64_t h = check_repack();

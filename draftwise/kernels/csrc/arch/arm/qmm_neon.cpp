@@ -5,7 +5,7 @@
 #include "arch/arm/neon.h"
 namespace dw {
 const IsaOps* neon_ops() {
-  static const IsaOps ops = {"neon", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_simd, kq_qmm, dw::act_q8k};
+  static const IsaOps ops = {"neon", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_simd, kq_qmm, dw::act_q8k, dw::act_q8b};
   return &ops;
 }
 }  // namespace dw

@@ -8,7 +8,7 @@
 #pragma GCC pop_options
 namespace dw {
 const IsaOps* neondot_ops() {
-  static const IsaOps ops = {"neondot", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_simd, kq_qmm, dw::act_q8k};
+  static const IsaOps ops = {"neondot", qmm_q8, qmm_f32, quantize_act_neon, silu_mul_neon, attend_groups_simd, kq_qmm, dw::act_q8k, dw::act_q8b};
   return &ops;
 }
 }  // namespace dw

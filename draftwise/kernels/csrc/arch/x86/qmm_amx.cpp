@@ -372,11 +372,12 @@ bool check_in_child(int mode, std::string* reason) {
 #endif
 }
 
-// the path's K-quant call: one row on AVX512-VNNI (its memory-bound kernel), more rows on the tiles
+// the path's K-quant call: one row on AVX512-VNNI (its memory-bound kernel), more rows on the tiles; the
+// block formats (Q4_0 / Q4_1 / Q5_0 / Q8_0: no tile kernel yet) on AVX512-VNNI at every row count
 Kernel g_one_row = nullptr;
 #if DW_AMX_BUILT
 void kq_path(const KqArgs& a, int64_t t0, int64_t t1) {
-  if (a.M < 2) g_one_row(a, t0, t1);
+  if (a.M < 2 || kq_is_block(a.fmt)) g_one_row(a, t0, t1);
   else hw::run(a, t0, t1);
 }
 #endif
@@ -431,12 +432,16 @@ void amx_set_verdict(bool ok, const std::string& reason) {
   if (detected().state == AmxState::kUnchecked) record(ok, reason);
 }
 
-void kq_amx_emulated(const KqArgs& a, int64_t t0, int64_t t1) { emulated(a, t0, t1); }
+void kq_amx_emulated(const KqArgs& a, int64_t t0, int64_t t1) {
+  if (kq_is_block(a.fmt)) kq_ref(a, t0, t1);  // the path runs the block formats on AVX512-VNNI, not on tiles
+  else emulated(a, t0, t1);
+}
 
 bool kq_amx_hardware(const KqArgs& a, int64_t t0, int64_t t1) {
 #if DW_AMX_BUILT
   if (!amx_usable()) return false;
-  hw::run(a, t0, t1);
+  if (kq_is_block(a.fmt)) avx512vnni_ops()->qmm_k(a, t0, t1);
+  else hw::run(a, t0, t1);
   return true;
 #else
   (void)a, (void)t0, (void)t1;

@@ -8,7 +8,7 @@
 #pragma GCC pop_options
 namespace dw {
 const IsaOps* avx2_ops() {
-  static const IsaOps ops = {"avx2", qmm_q8, qmm_f32, quantize_act_x86, silu_mul_x86, attend_groups_simd, kq_qmm, act_q8k_x86};
+  static const IsaOps ops = {"avx2", qmm_q8, qmm_f32, quantize_act_x86, silu_mul_x86, attend_groups_simd, kq_qmm, act_q8k_x86, act_q8b_x86};
   return &ops;
 }
 }  // namespace dw
