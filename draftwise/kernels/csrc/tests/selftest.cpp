@@ -254,6 +254,42 @@ const dw::IsaOps* amx_emulated_ops() {
   return &ops;
 }
 
+// The checks both K-quant tests make of one weight matrix: run(ops, x, rows) gives a path's (rows, N) output.
+// The scalar reference's output (returned) for M rows, every path's and the AMX path's call (emulated) equal
+// to it for the M rows and for rows alone, and the reference within 2 % of doubles over the de-quantized
+// weights wd for row 2. `what`: the case's name in messages.
+template <class Run>
+std::vector<float> check_every_path(const char* what, int64_t N, int64_t K, int64_t M, const char* const* names,
+                                    int npaths, const Run& run, const std::vector<float>& x,
+                                    const std::vector<float>& wd, bool* ok) {
+  const std::vector<float> ref = run(&dw::kScalar, x.data(), M);
+  for (int p = 0; p <= npaths; ++p) {  // every path, then the AMX path's call on emulated tiles
+    const dw::IsaOps* ops = p < npaths ? dw::path_by_name(names[p]) : amx_emulated_ops();
+    if (std::memcmp(run(ops, x.data(), M).data(), ref.data(), ref.size() * 4)) {
+      std::printf("MISMATCH %s N=%lld on path %s\n", what, (long long)N, ops->name);
+      *ok = false;
+    }
+    for (int64_t m : {0, 1, 12}) {
+      if (std::memcmp(run(ops, x.data() + m * K, 1).data(), ref.data() + m * N, N * 4)) {
+        std::printf("NOT BATCH-INVARIANT %s on path %s (row %lld)\n", what, ops->name, (long long)m);
+        *ok = false;
+      }
+    }
+  }
+  double err = 0, mag = 0;  // the reference against doubles: de-quantized weights times row 2
+  for (int64_t n = 0; n < N; ++n) {
+    double dsum = 0;
+    for (int64_t k = 0; k < K; ++k) dsum += (double)wd[n * K + k] * x[2 * K + k];
+    err = std::fmax(err, std::fabs(dsum - ref[2 * N + n]));
+    mag = std::fmax(mag, std::fabs(dsum));
+  }
+  if (!(err <= 0.02 * mag)) {
+    std::printf("INACCURATE %s: max error %g of %g\n", what, err, mag);
+    *ok = false;
+  }
+  return ref;
+}
+
 int check_kquant(const char* const* names, int npaths) {
   int failures = 0;
   for (int fmt : {dw::kKq4, dw::kKq6}) {
@@ -301,34 +337,11 @@ int check_kquant(const char* const* names, int npaths) {
         ops->qmm_k(a, 1, tiles);
         return out;
       };
-      const std::vector<float> ref = run(&dw::kScalar, x.data(), M);
-      for (int p = 0; p <= npaths; ++p) {  // every path, then the emulated AMX tiles
-        const dw::IsaOps* ops = p < npaths ? dw::path_by_name(names[p]) : amx_emulated_ops();
-        if (std::memcmp(run(ops, x.data(), M).data(), ref.data(), ref.size() * 4)) {
-          std::printf("MISMATCH kquant-%d N=%lld on path %s\n", fmt, (long long)N, ops->name);
-          ok = false;
-        }
-        for (int64_t m : {0, 1, 12}) {
-          if (std::memcmp(run(ops, x.data() + m * K, 1).data(), ref.data() + m * N, N * 4)) {
-            std::printf("NOT BATCH-INVARIANT kquant-%d on path %s (row %lld)\n", fmt, ops->name, (long long)m);
-            ok = false;
-          }
-        }
-      }
-      // the reference against doubles: de-quantized weights times row 2
       std::vector<float> wd(N * K);
       dw::kq_dequant_rows(fmt, w.data(), N, K, wd.data(), 0, N);
-      double err = 0, mag = 0;
-      for (int64_t n = 0; n < N; ++n) {
-        double dsum = 0;
-        for (int64_t k = 0; k < K; ++k) dsum += (double)wd[n * K + k] * x[2 * K + k];
-        err = std::fmax(err, std::fabs(dsum - ref[2 * N + n]));
-        mag = std::fmax(mag, std::fabs(dsum));
-      }
-      if (!(err <= 0.02 * mag)) {
-        std::printf("INACCURATE kquant-%d: max error %g of %g\n", fmt, err, mag);
-        ok = false;
-      }
+      char what[32];
+      std::snprintf(what, sizeof what, "kquant-%d", fmt);
+      const std::vector<float> ref = check_every_path(what, N, K, M, names, npaths, run, x, wd, &ok);
       h = fnv(w.data(), w.size(), fnv(ref.data(), ref.size() * 4, h));
     }
     std::printf("%-20s %016llx %s\n", fmt == dw::kKq4 ? "kquant-q4k" : "kquant-q6k", (unsigned long long)h,
@@ -408,31 +421,9 @@ int check_kblock(const char* const* names, int npaths) {
         ops->qmm_k(a, 1, tiles);
         return out;
       };
-      const std::vector<float> ref = run(&dw::kScalar, x.data(), M);
-      for (int p = 0; p <= npaths; ++p) {  // every path, then the AMX path's call (emulated)
-        const dw::IsaOps* ops = p < npaths ? dw::path_by_name(names[p]) : amx_emulated_ops();
-        if (std::memcmp(run(ops, x.data(), M).data(), ref.data(), ref.size() * 4)) {
-          std::printf("MISMATCH kblock-%d N=%lld on path %s\n", fmt, (long long)N, ops->name);
-          ok = false;
-        }
-        for (int64_t m : {0, 1, 12}) {
-          if (std::memcmp(run(ops, x.data() + m * K, 1).data(), ref.data() + m * N, N * 4)) {
-            std::printf("NOT BATCH-INVARIANT kblock-%d on path %s (row %lld)\n", fmt, ops->name, (long long)m);
-            ok = false;
-          }
-        }
-      }
-      double err = 0, mag = 0;  // the reference against doubles: row 2
-      for (int64_t n = 0; n < N; ++n) {
-        double dsum = 0;
-        for (int64_t k = 0; k < K; ++k) dsum += (double)wd[n * K + k] * x[2 * K + k];
-        err = std::fmax(err, std::fabs(dsum - ref[2 * N + n]));
-        mag = std::fmax(mag, std::fabs(dsum));
-      }
-      if (!(err <= 0.02 * mag)) {
-        std::printf("INACCURATE kblock-%d: max error %g of %g\n", fmt, err, mag);
-        ok = false;
-      }
+      char what[32];
+      std::snprintf(what, sizeof what, "kblock-%d", fmt);
+      const std::vector<float> ref = check_every_path(what, N, K, M, names, npaths, run, x, wd, &ok);
       h = fnv(w.data(), w.size(), fnv(ref.data(), ref.size() * 4, h));
     }
     const char* name = fmt == dw::kKb40 ? "kblock-q4_0" : fmt == dw::kKb41 ? "kblock-q4_1" : fmt == dw::kKb50 ? "kblock-q5_0" : "kblock-q8_0";
