@@ -135,15 +135,42 @@ def output_text(seq: Sequence, detok) -> str:
     return text[:seq.stop_text_end] if seq.stop_text_end is not None else text
 
 
+def draft_head_tokens(d: LoadedModel, option: int | str | None) -> int | None:
+    """How many of its first token ids the draft model's head should compute (``transformer.restrict_vocab``),
+    None for all. ``option``: a count, "full", or None — then ``DRAFTWISE_DRAFT_VOCAB``, else all (the default:
+    Qwen2.5-0.5B cut to 32K of its 152K tokens drafts ~4 % faster on code prompts but is accepted less on
+    Spec-Bench, α 0.70 against 0.79, 1.14x ``ar`` against 1.18x). Native models only."""
+    from . import settings
+    from .models.transformer import Transformer
+
+    if option is None:
+        option = settings.draft_vocab()
+    if not isinstance(d.model, Transformer) or str(option).lower() == "full":
+        return None
+    vocab = int(d.config.vocab_size)
+    if option is None:
+        return None
+    try:
+        keep = int(option)
+    except ValueError:
+        raise InvalidParameterError(f"draft vocabulary must be a token count or 'full', got {option!r}") from None
+    if keep < 1:
+        raise InvalidParameterError(f"draft vocabulary must be at least 1 token, got {keep}")
+    return keep if keep < vocab else None
+
+
 class SpeculativeDecoder:
     """A target model plus whatever the methods need (a draft model is loaded lazily when asked for)."""
 
     def __init__(self, target: str | LoadedModel = DEFAULT_TARGET, draft: str | LoadedModel | None = DEFAULT_DRAFT,
                  *, dtype: str = "auto", draft_dtype: str | None = None, backend: str = "native",
-                 progress: bool = True, skip_layers: str | list[int] | None = None):
+                 progress: bool = True, skip_layers: str | list[int] | None = None,
+                 draft_vocab: int | str | None = None):
         """``skip_layers`` ("3,5,7-12" or indices): the layers method layerskip skips, instead of the
-        calibrated set (``layerskip_plan``)."""
+        calibrated set (``layerskip_plan``). ``draft_vocab``: the tokens the draft model's head computes
+        (``draft_head_tokens``): a count, "full", or None (``DRAFTWISE_DRAFT_VOCAB``, else the default)."""
         self.dtype, self.backend, self.progress = dtype, backend, progress
+        self.draft_vocab = draft_vocab
         self.skip_layers = skip_layers
         self._skip_plans: dict = {}  # method layerskip: skip set (None: calibrated) -> SkipPlan
         self.draft_dtype = draft_dtype or default_draft_weights(dtype, backend)
@@ -171,6 +198,12 @@ class SpeculativeDecoder:
                 raise InvalidParameterError("method 'draft' needs a draft model (--draft NAME_OR_PATH)")
             d = load_model(self._draft_ref, self.draft_dtype, self.backend, self.progress)
             self._check_draft(d)
+            keep = draft_head_tokens(d, self.draft_vocab)
+            if keep is not None:  # a model loaded here, not one the caller passed in (it may be shared)
+                from .models.transformer import restrict_vocab
+
+                restrict_vocab(d.model, keep, set(d.tokenizer.eos_ids) | set(
+                    d.tokenizer.fast.get_added_tokens_decoder()))
             self._draft = d
         return self._draft
 

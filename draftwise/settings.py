@@ -10,6 +10,7 @@
 | `DRAFTWISE_PREFILL`           | kernels                          | `gemm` or `kernel`: force how long prefills run            |
 | `DRAFTWISE_EXACT_ACTIVATIONS` | kernels                          | `1`: fp32 activations for quantized weights (not int8)     |
 | `DRAFTWISE_TUNE`              | kernels                          | `0`: skip timing the kernel paths for multi-row calls      |
+| `DRAFTWISE_DRAFT_VOCAB`       | the draft model                  | its head's tokens: `full` (default), or its first N ids and the special tokens |
 
 ``install.sh`` reads two more, as shell variables at install time only: ``DRAFTWISE_PEERS=1`` (same as
 ``--peers``) and ``DRAFTWISE_PEERS_REBUILD=1`` (rebuild llama-cpp-python).
@@ -27,7 +28,8 @@ import os
 from pathlib import Path
 
 VARIABLES = ("DRAFTWISE_HOME", "DRAFTWISE_API_KEY", "DRAFTWISE_KEEP_CONVERTED", "DRAFTWISE_ISA",
-             "DRAFTWISE_NO_KERNELS", "DRAFTWISE_PREFILL", "DRAFTWISE_EXACT_ACTIVATIONS", "DRAFTWISE_TUNE")
+             "DRAFTWISE_NO_KERNELS", "DRAFTWISE_PREFILL", "DRAFTWISE_EXACT_ACTIVATIONS", "DRAFTWISE_TUNE",
+             "DRAFTWISE_DRAFT_VOCAB")
 INSTALL_VARIABLES = ("DRAFTWISE_PEERS", "DRAFTWISE_PEERS_REBUILD")  # install.sh's, never read by the package
 
 
@@ -85,6 +87,11 @@ def exact_activations() -> bool:
 def tune_kernels() -> bool:
     """``DRAFTWISE_TUNE=0`` skips timing the kernel paths for calls of several rows."""
     return _get("DRAFTWISE_TUNE") != "0"
+
+
+def draft_vocab() -> str | None:
+    """``DRAFTWISE_DRAFT_VOCAB``: ``full`` or a token count for the draft model's head (None: unset, all tokens)."""
+    return _get("DRAFTWISE_DRAFT_VOCAB").lower() or None
 
 
 def openmp_spin_default() -> None:

@@ -334,6 +334,72 @@ class Concat(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
+class VocabSubset(nn.Module):
+    """A draft model's output head over part of its vocabulary: the logits of the tokens in ``ranges`` (row
+    ranges of the head's matrix, taken as views: no copy) and -inf for every other token, so the model's
+    output keeps its full width. Most of a small model's bytes per token can be its head (Qwen2.5-0.5B:
+    152K x 896 of 494M weights); a draft rarely needs the rare tokens (FR-Spec, Zhao et al. 2025). Lossless:
+    every drafted token is still verified by the target, and a sampled draft's distribution q is the
+    restricted one the rejection sampler is given (zero outside the subset)."""
+
+    def __init__(self, parts: list[nn.Module], ranges: list[tuple[int, int]], vocab: int):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.ranges, self.out_features = ranges, vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_full((*x.shape[:-1], self.out_features), float("-inf"))  # (..., V)
+        for (a, b), p in zip(self.ranges, self.parts):
+            out[..., a:b] = p(x)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{sum(b - a for a, b in self.ranges)} of {self.out_features} tokens: {self.ranges}"
+
+
+def restrict_vocab(model: "Transformer", keep: int, also: set[int]) -> bool:
+    """Make ``model``'s head a ``VocabSubset`` over token ids below ``keep`` and the ids in ``also`` (special
+    tokens: end of turn, end of text), each range widened to whole 16-row tiles (the K-quant code's unit).
+    Byte-level BPE vocabularies (Qwen2, Llama 3, GPT-2, SmolLM2) number their tokens in merge order, so the
+    first ids are the most frequent pieces. False (nothing changed) when the head is not a plain matrix this
+    can slice, or keeping those tokens would not leave out at least half of the vocabulary."""
+    from ..kernels import QLinear
+    from ..kernels.gguf_quant import QCode, code_rows
+
+    head = model.lm_head
+    V = int(getattr(head, "out_features", 0) or 0)
+    if not isinstance(head, (QLinear, nn.Linear)) or isinstance(head, VocabSubset) or keep * 2 > V:
+        return False
+    if isinstance(head, nn.Linear) and head.weight.is_meta:
+        return False
+    rows = sorted({i // 16 for i in also if 0 <= i < V} | set(range((keep + 15) // 16)))
+    ranges: list[tuple[int, int]] = []
+    for r in rows:  # consecutive tiles merged into ranges
+        if ranges and ranges[-1][1] == 16 * r:
+            ranges[-1] = (ranges[-1][0], min(16 * r + 16, V))
+        else:
+            ranges.append((16 * r, min(16 * r + 16, V)))
+    parts: list[nn.Module] = []
+    for a, b in ranges:
+        bias = None if head.bias is None else head.bias[a:b]
+        if isinstance(head, QLinear):
+            if head.bits in (16, 32):
+                c = QCode(head.q[a:b], head.scale[a:b], None, head.group, head.bits)
+            else:
+                c = code_rows(QCode(head.q, head.scale, head.minv if head.minv.numel() else None, head.group,
+                                    head.bits), a, b - a)
+            part = QLinear(c.q, c.scale, c.minv, c.group, c.bits, bias)
+            part.act_bits = head.act_bits
+        else:
+            part = nn.Linear(head.in_features, b - a, bias=bias is not None, device="meta")
+            part.weight = nn.Parameter(head.weight[a:b], requires_grad=False)
+            if bias is not None:
+                part.bias = nn.Parameter(bias, requires_grad=False)
+        parts.append(part)
+    model.lm_head = VocabSubset(parts, ranges, V)
+    return True
+
+
 def _linear(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype, bias: str | None = None,
             storage: torch.dtype | None = None) -> nn.Module:
     """A QLinear when the weight is a quantized code, or when ``storage`` asks for dense weights in that
