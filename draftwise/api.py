@@ -145,11 +145,9 @@ def draft_head_tokens(d: LoadedModel, option: int | str | None) -> int | None:
 
     if option is None:
         option = settings.draft_vocab()
-    if not isinstance(d.model, Transformer) or str(option).lower() == "full":
+    if option is None or not isinstance(d.model, Transformer) or str(option).lower() == "full":
         return None
     vocab = int(d.config.vocab_size)
-    if option is None:
-        return None
     try:
         keep = int(option)
     except ValueError:
@@ -168,7 +166,7 @@ class SpeculativeDecoder:
                  draft_vocab: int | str | None = None):
         """``skip_layers`` ("3,5,7-12" or indices): the layers method layerskip skips, instead of the
         calibrated set (``layerskip_plan``). ``draft_vocab``: the tokens the draft model's head computes
-        (``draft_head_tokens``): a count, "full", or None (``DRAFTWISE_DRAFT_VOCAB``, else the default)."""
+        (``draft_head_tokens``): a count, "full", or None (``DRAFTWISE_DRAFT_VOCAB``, else all)."""
         self.dtype, self.backend, self.progress = dtype, backend, progress
         self.draft_vocab = draft_vocab
         self.skip_layers = skip_layers
