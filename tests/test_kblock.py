@@ -1,8 +1,8 @@
 """The K-quant rule's block formats (csrc/core/kquant.h BLOCK FORMATS): Q4_0 / Q4_1 / Q5_0 / Q8_0 weights
 computed from the GGUF's own bytes, 16 columns interleaved per tile, one integer dot product and one float
 step per block of 32. The layout de-quantizes to exactly the numpy reference's weights (and to the gguf
-package's); the product matches a float64 reference of the same rounding; every path and row count computes
-the same bits; models made of such matrices (e.g. Qwen2.5-0.5B's Q5_0 / Q8_0, K = 896) load in place,
+package's); (the product against a float64 reference of the same rounding, on every path and row count, and
+partial tiles: test_kquant.py, over every format); models made of such matrices (e.g. Qwen2.5-0.5B's Q5_0 / Q8_0, K = 896) load in place,
 fused, and decode batch-invariantly."""
 
 from __future__ import annotations
@@ -11,34 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from draftwise.kernels import (KQ_BITS, QLinear, available_isas, dequantize, extension, quantize_activations,
-                               using_isa)
+from draftwise.kernels import KQ_BITS, QLinear, available_isas, dequantize, extension, using_isa
 from draftwise.kernels.gguf_quant import kq_format, parse, repack
 from tests.conftest import TINY_QWEN
+from tests.test_kquant import BLOCK, TID, random_blocks
+from tests.test_kquant import block_reference_product as reference_product
 
 pytestmark = pytest.mark.skipif(extension() is None, reason="the kernel is not built here")
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0"]
-TID = {"Q4_0": 102, "Q4_1": 103, "Q5_0": 106, "Q8_0": 108}
-BLOCK = {"Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)), "Q8_0": (34, (0,))}  # bytes, fp16 offsets
-
-
-def random_blocks(qtype: str, N: int, K: int, seed: int) -> np.ndarray:
-    """(N, K / 32 * block bytes) random GGUF blocks with finite fp16 scales (incl. subnormal, negative)."""
-    bs, halves = BLOCK[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(N * (K // 32), bs), dtype=np.uint8)
-    for off in halves:
-        h = (rng.standard_normal(raw.shape[0]) * 0.01).astype(np.float16)
-        h[::7] = np.float16(3e-6)
-        raw[:, off:off + 2] = h.view(np.uint8).reshape(-1, 2)
-    return raw.reshape(N, -1)
-
-
-def reference_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w^T in float64 with x rounded as the rule rounds it: per row and block of 32, round(x * 127 / amax)
-    times amax / 127 (``quantize_activations``)."""
-    return quantize_activations(x).double() @ w.double().t()
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
@@ -51,7 +32,7 @@ def test_layout_dequantizes_to_the_file_weights(qtype, N):
     raw = random_blocks(qtype, N, K, seed=N + len(qtype))
     code = repack(raw, qtype, (N, K))
     assert code.bits == TID[qtype] and code.q.shape == (N // 16, K // 32 * KQ_BITS[code.bits])
-    assert KQ_BITS[code.bits] == 16 * BLOCK[qtype][0]  # the file's bytes, no more
+    assert KQ_BITS[code.bits] == 16 * BLOCK[qtype][1]  # the file's bytes, no more
     ref = parse(raw, qtype, (N, K))
     want = dequantize(ref.q, ref.scale, ref.minv, ref.group, ref.bits)
     got = dequantize(code.q, code.scale, None, code.group, code.bits)
@@ -60,49 +41,6 @@ def test_layout_dequantizes_to_the_file_weights(qtype, N):
     assert torch.allclose(got, theirs.view(N, K), rtol=1e-6, atol=1e-9)
     idx = torch.tensor([N - 1, 0, 5, 5])
     assert torch.equal(extension().kq_rows(code.q.view(-1), code.bits, N, K, idx), want[idx])
-
-
-@pytest.mark.parametrize("qtype", FORMATS)
-def test_product_matches_float64_and_every_path_and_row_count_gives_the_same_bits(qtype):
-    N, K = 80, 896  # Qwen2.5-0.5B's hidden size
-    raw = random_blocks(qtype, N, K, seed=3)
-    code = repack(raw, qtype, (N, K))
-    w = code.q.view(-1)
-    W = dequantize(code.q, code.scale, None, code.group, code.bits)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(33, K, generator=g) * 2
-    x[0, :32] = 0  # an all-zero activation block
-    x[1, 300] = 1e4  # a block with one huge value
-    ext = extension()
-    with using_isa("scalar"):
-        ref = ext.qmm_kq(x, w, code.bits, N)
-    y = reference_product(x, W)
-    assert ((ref.double() - y).abs().max() / y.abs().max()).item() < 1e-5
-    for isa in available_isas():
-        with using_isa(isa):
-            for M in (1, 2, 3, 5, 8, 13, 33):
-                assert torch.equal(ext.qmm_kq(x[:M].contiguous(), w, code.bits, N), ref[:M]), (isa, M)
-            assert torch.equal(ext.qmm_kq(x[7:8].contiguous(), w, code.bits, N), ref[7:8]), isa  # a row alone
-
-
-@pytest.mark.parametrize("qtype", FORMATS)
-def test_a_partial_last_tile(qtype):
-    """N not a multiple of 16: the kernel pads the last tile with zero columns and writes only real ones."""
-    N, K = 37, 64
-    raw = torch.from_numpy(random_blocks(qtype, N, K, seed=11).reshape(-1).copy())
-    ext = extension()
-    w = ext.kq_pack(raw, TID[qtype], N, K, torch.empty(0, dtype=torch.uint8))
-    assert w.numel() == 3 * 2 * KQ_BITS[TID[qtype]]  # 3 tiles of 2 blocks
-    ref = parse(raw.numpy().reshape(N, -1), qtype, (N, K))
-    W = dequantize(ref.q, ref.scale, ref.minv, ref.group, ref.bits)
-    x = torch.randn(5, K, generator=torch.Generator().manual_seed(2))
-    outs = []
-    for isa in available_isas():
-        with using_isa(isa):
-            outs.append(ext.qmm_kq(x, w, TID[qtype], N))
-    assert all(torch.equal(o, outs[0]) for o in outs) and outs[0].shape == (5, N)
-    y = reference_product(x, W)
-    assert ((outs[0].double() - y).abs().max() / y.abs().max()).item() < 1e-5
 
 
 def test_the_block_rule_is_closer_to_exact_than_the_groups_of_32_code_on_its_own_weights():
@@ -119,19 +57,6 @@ def test_the_block_rule_is_closer_to_exact_than_the_groups_of_32_code_on_its_own
     assert (new - y).abs().max() <= (grp - y).abs().max() * 1.5 + 1e-6
 
 
-def test_bad_calls_are_refused():
-    ext = extension()
-    w = torch.zeros(KQ_BITS[108], dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        ext.qmm_kq(torch.zeros(1, 48), w, 108, 16)
-    with pytest.raises(RuntimeError, match="does not hold"):
-        ext.qmm_kq(torch.zeros(1, 32), w, 108, 32)
-    with pytest.raises(RuntimeError, match="format"):
-        ext.qmm_kq(torch.zeros(1, 32), w, 8, 16)
-    with pytest.raises(RuntimeError, match="src size"):
-        ext.kq_pack(torch.zeros(33, dtype=torch.uint8), 108, 1, 32, torch.empty(0, dtype=torch.uint8))
-
-
 def test_which_tensors_take_the_block_rule(monkeypatch):
     for qtype in FORMATS:
         assert kq_format(qtype, (32, 896)) == (TID[qtype], 32, TID[qtype], False)
@@ -144,9 +69,9 @@ def test_which_tensors_take_the_block_rule(monkeypatch):
 
 def _block_gguf(tmp_path, monkeypatch, qtypes):
     """A tiny Qwen2 model (hidden 96: blocks of 32, no super-block of 256) with block-format matrices."""
-    from tests.test_models import _copy_tokenizer, _write_gguf
     from draftwise.models import loading
     from draftwise.models.transformer import random_model
+    from tests.test_models import _copy_tokenizer, _write_gguf
 
     monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
     cfg = TINY_QWEN.__class__(**{**TINY_QWEN.to_dict(), "hidden_size": 96, "head_dim": 24, "num_heads": 4,

@@ -1,5 +1,5 @@
 """The K-quant rule (csrc/core/kquant.h): Q4_K / Q6_K weights computed from the GGUF's own integers, 16 columns
-interleaved per tile. The layout de-quantizes to exactly the numpy reference's weights (kernels/gguf_quant
+interleaved per tile (the product and partial-tile tests cover its block formats too; their own: test_kblock.py). The layout de-quantizes to exactly the numpy reference's weights (kernels/gguf_quant
 .parse); the product matches a float64 reference of the same rounding; every path and every row count
 computes the same bits; models made of such matrices load in place, fused, and decode batch-invariantly."""
 
@@ -9,21 +9,24 @@ import numpy as np
 import pytest
 import torch
 
-from draftwise.kernels import KQ_BITS, QLinear, available_isas, dequantize, extension, using_isa
+from draftwise.kernels import KQ_BITS, QLinear, available_isas, dequantize, extension, quantize_activations, using_isa
 from draftwise.kernels.gguf_quant import kq_format, parse, repack
 from tests.conftest import TINY, TINY_QWEN
 
 pytestmark = pytest.mark.skipif(extension() is None, reason="the kernel is not built here")
 
-BLOCK = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}  # bytes per block, offsets of its fp16 scales
-TID = {"Q4_K": 12, "Q6_K": 14}
+# every GGML type the rule computes: values and bytes per block, offsets of its fp16 scales (the block formats'
+# own tests: test_kblock.py)
+BLOCK = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)),
+         "Q5_0": (32, 22, (0,)), "Q8_0": (32, 34, (0,))}
+TID = {"Q4_K": 12, "Q6_K": 14, "Q4_0": 102, "Q4_1": 103, "Q5_0": 106, "Q8_0": 108}
 
 
 def random_blocks(qtype: str, N: int, K: int, seed: int) -> np.ndarray:
-    """(N, K / 256 * block bytes) random GGUF blocks with finite fp16 scales (incl. subnormal, negative)."""
-    bs, halves = BLOCK[qtype]
+    """(N, K / block values * block bytes) random GGUF blocks with finite fp16 scales (incl. subnormal, negative)."""
+    values, bs, halves = BLOCK[qtype]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(N * (K // 256), bs), dtype=np.uint8)
+    raw = rng.integers(0, 256, size=(N * (K // values), bs), dtype=np.uint8)
     for off in halves:
         h = (rng.standard_normal(raw.shape[0]) * 0.01).astype(np.float16)
         h[::7] = np.float16(3e-6)
@@ -94,6 +97,16 @@ def reference_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return quantize_like_the_rule(x) @ w.double().t()
 
 
+def block_reference_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same for the block formats: x rounded per row and block of 32, round(x * 127 / amax) times
+    amax / 127 (``quantize_activations``)."""
+    return quantize_activations(x).double() @ w.double().t()
+
+
+def reference_for(qtype: str):
+    return reference_product if BLOCK[qtype][0] == 256 else block_reference_product
+
+
 def refined_rows(K: int, seed: int = 1) -> torch.Tensor:
     """Rows whose blocks of 32 the rule refines: blocks at 2^-j, and an outlier in a block of ordinary values."""
     g = torch.Generator().manual_seed(seed)
@@ -123,9 +136,9 @@ def test_layout_dequantizes_to_the_reference_weights(qtype, N):
         extension().kq_rows(code.q.view(-1), code.bits, N, K, torch.tensor([N]))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", list(BLOCK))
 def test_product_matches_float64_and_every_path_and_row_count_gives_the_same_bits(qtype):
-    N, K = 80, 768
+    N, K = 80, 768 if BLOCK[qtype][0] == 256 else 896  # the block formats: Qwen2.5-0.5B's K, not a multiple of 256
     raw = random_blocks(qtype, N, K, seed=3)
     code = repack(raw, qtype, (N, K))
     w = code.q.view(-1)
@@ -138,7 +151,7 @@ def test_product_matches_float64_and_every_path_and_row_count_gives_the_same_bit
     ext = extension()
     with using_isa("scalar"):
         ref = ext.qmm_kq(x, w, code.bits, N)
-    y = reference_product(x, W)
+    y = reference_for(qtype)(x, W)
     assert ((ref.double() - y).abs().max() / y.abs().max()).item() < 1e-5
     for isa in available_isas():
         with using_isa(isa):
@@ -168,14 +181,14 @@ def test_refined_blocks_bring_the_product_closer_to_exact(qtype):
     assert err < err1 / 2, (err.item(), err1.item())  # ~sqrt(1/8 + 7/8/64): the outliers' own blocks stay coarse
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", list(BLOCK))
 def test_a_partial_last_tile(qtype):
     """N not a multiple of 16: the kernel pads the last tile with zero columns and writes only real ones."""
     N, K = 37, 256
     raw = torch.from_numpy(random_blocks(qtype, N, K, seed=11).reshape(-1).copy())
     ext = extension()
     w = ext.kq_pack(raw, TID[qtype], N, K, torch.empty(0, dtype=torch.uint8))
-    assert w.numel() == 3 * KQ_BITS[TID[qtype]]
+    assert w.numel() == 3 * K // BLOCK[qtype][0] * KQ_BITS[TID[qtype]]  # 3 tiles
     ref = parse(raw.numpy().reshape(N, -1), qtype, (N, K))
     W = dequantize(ref.q, ref.scale, ref.minv, ref.group, ref.bits)
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(2))
@@ -184,19 +197,22 @@ def test_a_partial_last_tile(qtype):
         with using_isa(isa):
             outs.append(ext.qmm_kq(x, w, TID[qtype], N))
     assert all(torch.equal(o, outs[0]) for o in outs) and outs[0].shape == (5, N)
-    y = reference_product(x, W)
+    y = reference_for(qtype)(x, W)
     assert ((outs[0].double() - y).abs().max() / y.abs().max()).item() < 1e-5
 
 
-def test_bad_calls_are_refused():
+@pytest.mark.parametrize("fmt,block", [(12, 256), (108, 32)])  # Q4_K, Q8_0 (a block format)
+def test_bad_calls_are_refused(fmt, block):
     ext = extension()
-    w = torch.zeros(KQ_BITS[12], dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="multiple of 256"):
-        ext.qmm_kq(torch.zeros(1, 128), w, 12, 16)
+    w = torch.zeros(KQ_BITS[fmt], dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=f"multiple of {block}"):
+        ext.qmm_kq(torch.zeros(1, block * 3 // 2), w, fmt, 16)
     with pytest.raises(RuntimeError, match="does not hold"):
-        ext.qmm_kq(torch.zeros(1, 256), w, 12, 32)
+        ext.qmm_kq(torch.zeros(1, block), w, fmt, 32)
     with pytest.raises(RuntimeError, match="format"):
-        ext.qmm_kq(torch.zeros(1, 256), w, 13, 16)
+        ext.qmm_kq(torch.zeros(1, block), w, fmt - 1, 16)
+    with pytest.raises(RuntimeError, match="src size"):
+        ext.kq_pack(torch.zeros(1, dtype=torch.uint8), fmt, 1, block, torch.empty(0, dtype=torch.uint8))
 
 
 def test_which_tensors_take_the_rule(monkeypatch):
@@ -245,7 +261,7 @@ def _kq_gguf(tmp_path, monkeypatch, arch: str):
 
     def quantize(arr, qt):
         name = gguf.GGMLQuantizationType(qt).name
-        return quantize_k(arr, name) if name in BLOCK else real(arr, qt)
+        return quantize_k(arr, name) if name in ("Q4_K", "Q6_K") else real(arr, qt)
 
     monkeypatch.setattr(gguf.quants, "quantize", quantize)
     path = tmp_path / "kq.gguf"

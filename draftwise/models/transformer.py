@@ -357,7 +357,7 @@ class VocabSubset(nn.Module):
         return f"{sum(b - a for a, b in self.ranges)} of {self.out_features} tokens: {self.ranges}"
 
 
-def restrict_vocab(model: "Transformer", keep: int, also: set[int]) -> bool:
+def restrict_vocab(model: Transformer, keep: int, also: set[int]) -> bool:
     """Make ``model``'s head a ``VocabSubset`` over token ids below ``keep`` and the ids in ``also`` (special
     tokens: end of turn, end of text), each range widened to whole 16-row tiles (the K-quant code's unit).
     Byte-level BPE vocabularies (Qwen2, Llama 3, GPT-2, SmolLM2) number their tokens in merge order, so the
@@ -382,12 +382,9 @@ def restrict_vocab(model: "Transformer", keep: int, also: set[int]) -> bool:
     parts: list[nn.Module] = []
     for a, b in ranges:
         bias = None if head.bias is None else head.bias[a:b]
-        if isinstance(head, QLinear):
-            if head.bits in (16, 32):
-                c = QCode(head.q[a:b], head.scale[a:b], None, head.group, head.bits)
-            else:
-                c = code_rows(QCode(head.q, head.scale, head.minv if head.minv.numel() else None, head.group,
-                                    head.bits), a, b - a)
+        if isinstance(head, QLinear):  # rows of its code, as views (dense bf16 / fp32 heads are codes too)
+            c = code_rows(QCode(head.q, head.scale, head.minv if head.minv.numel() else None, head.group, head.bits),
+                          a, b - a)
             part = QLinear(c.q, c.scale, c.minv, c.group, c.bits, bias)
             part.act_bits = head.act_bits
         else:

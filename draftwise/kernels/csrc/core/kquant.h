@@ -100,7 +100,12 @@ inline int64_t kq_tiles(int64_t N) { return (N + KQ_COLS - 1) / KQ_COLS; }
 inline int64_t kq_bytes(int fmt, int64_t N, int64_t K) {
   return kq_tiles(N) * (K / kq_block_values(fmt)) * kq_tile_bytes(fmt);
 }
-// the regions of a block format's tile of nb blocks: byte offsets of qs, qh, d and m (qh / m: -1 if none)
+// a block format's code offset (the file's u minus this is the value: Q4_0 8, Q5_0 16, else 0), and where its
+// qs bytes start in the GGUF block (after d, Q4_1's m, Q5_0's qh)
+constexpr int kb_code_offset(int fmt) { return fmt == kKb40 ? 8 : fmt == kKb50 ? 16 : 0; }
+constexpr int kb_gguf_qs(int fmt) { return fmt == kKb41 ? 4 : fmt == kKb50 ? 6 : 2; }
+// the regions of a block format's tile of nb blocks: byte offsets of qs, qh, d and m (qh / m: -1 if none);
+// qs_block: the qs bytes of one block (16 columns x 16 or 32 bytes, 64 per 4-byte group)
 struct KbRegions { int64_t qs, qh, d, m, qs_block; };
 inline KbRegions kb_regions(int fmt, int64_t nb) {
   const int64_t qsb = fmt == kKb80 ? 512 : 256, qh = fmt == kKb50 ? nb * qsb : -1;

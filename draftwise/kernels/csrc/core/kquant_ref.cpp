@@ -110,7 +110,7 @@ inline KbCol kb_col(const uint8_t* w, int fmt, int64_t K, int64_t n, int64_t b) 
 // the block formats' reference (kquant.h BLOCK FORMATS), one column at a time
 void kb_ref(const KqArgs& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, nb = K / KB;
-  const int fmt = a.fmt, off = fmt == kKb40 ? 8 : fmt == kKb50 ? 16 : 0;
+  const int fmt = a.fmt, off = kb_code_offset(fmt);
   for (int64_t n = t0 * KQ_COLS; n < t1 * KQ_COLS && n < a.N; ++n)
     for (int64_t m = 0; m < a.M; ++m) {
       float acc = 0.f;
@@ -182,7 +182,7 @@ void kq_ref(const KqArgs& a, int64_t t0, int64_t t1) {
 void kq_dequant_rows(int fmt, const uint8_t* w, int64_t N, int64_t K, float* out, int64_t n0, int64_t n1) {
   (void)N;
   if (kq_is_block(fmt)) {
-    const int off = fmt == kKb40 ? 8 : fmt == kKb50 ? 16 : 0;
+    const int off = kb_code_offset(fmt);
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < K / KB; ++b) {
         const KbCol col = kb_col(w, fmt, K, n, b);

@@ -42,9 +42,8 @@ inline void put_q6k(const uint8_t* g, uint8_t* blk, int c) {
 inline void put_block(int fmt, const uint8_t* g, uint8_t* tile, const KbRegions& r, int64_t b, int c) {
   std::memcpy(tile + r.d + b * 32 + 2 * c, g, 2);
   if (fmt == kKb41) std::memcpy(tile + r.m + b * 32 + 2 * c, g + 2, 2);
-  const uint8_t* qs = g + (fmt == kKb40 ? 2 : fmt == kKb80 ? 2 : fmt == kKb41 ? 4 : 6);
-  const int groups = fmt == kKb80 ? 8 : 4;
-  for (int gi = 0; gi < groups; ++gi) std::memcpy(tile + r.qs + b * r.qs_block + (gi * 16 + c) * 4, qs + 4 * gi, 4);
+  const uint8_t* qs = g + kb_gguf_qs(fmt);
+  for (int gi = 0; gi < r.qs_block / 64; ++gi) std::memcpy(tile + r.qs + b * r.qs_block + (gi * 16 + c) * 4, qs + 4 * gi, 4);
   if (fmt == kKb50) {  // file: bit v of the 32-bit qh = the fifth bit of value v; here byte i: bits g, 4 + g
     const uint32_t qh = (uint32_t)g[2] | ((uint32_t)g[3] << 8) | ((uint32_t)g[4] << 16) | ((uint32_t)g[5] << 24);
     uint8_t* o = tile + r.qh + b * 64 + c * 4;
@@ -60,7 +59,7 @@ inline void put_block(int fmt, const uint8_t* g, uint8_t* tile, const KbRegions&
 inline void zero_block_col(int fmt, uint8_t* tile, const KbRegions& r, int64_t b, int c) {
   std::memset(tile + r.d + b * 32 + 2 * c, 0, 2);
   if (fmt == kKb41) std::memset(tile + r.m + b * 32 + 2 * c, 0, 2);
-  for (int gi = 0; gi < (fmt == kKb80 ? 8 : 4); ++gi) std::memset(tile + r.qs + b * r.qs_block + (gi * 16 + c) * 4, 0, 4);
+  for (int gi = 0; gi < r.qs_block / 64; ++gi) std::memset(tile + r.qs + b * r.qs_block + (gi * 16 + c) * 4, 0, 4);
   if (fmt == kKb50) std::memset(tile + r.qh + b * 64 + c * 4, 0, 4);
 }
 
@@ -86,31 +85,26 @@ inline void zero_col(int fmt, uint8_t* blk, int c) {
 // 80 KB, per pass). Rows n0..n1 only; the range holding the last row (N - 1) zeroes the padding columns,
 // and the one holding a tile's column 15 (or the last row) Q6_K's pad bytes — so ranges may split tiles.
 void kq_pack_rows(int fmt, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int64_t n0, int64_t n1) {
-  if (kq_is_block(fmt)) {  // blocks of 32, the tile's regions (kb_regions)
-    const int64_t nb = K / KB, gbytes = kq_gguf_block(fmt);
-    const KbRegions r = kb_regions(fmt, nb);
-    for (int64_t t = n0 / KQ_COLS; t * KQ_COLS < n1; ++t) {
-      const int64_t base = t * KQ_COLS, r0 = std::max(n0, base), r1 = std::min(n1, base + KQ_COLS);
-      uint8_t* tile = dst + t * nb * kq_tile_bytes(fmt);
-      for (int64_t b = 0; b < nb; ++b) {
-        for (int64_t n = r0; n < r1; ++n) put_block(fmt, src + (n * nb + b) * gbytes, tile, r, b, (int)(n - base));
-        for (int64_t c = N - base; r1 == N && c < KQ_COLS; ++c) zero_block_col(fmt, tile, r, b, (int)c);
-      }
-    }
-    return;
-  }
-  const int64_t nb = K / QK, tile = kq_tile_bytes(fmt), gbytes = fmt == kKq4 ? 144 : 210;
+  const bool block = kq_is_block(fmt);
+  const int64_t nb = K / kq_block_values(fmt), tile = kq_tile_bytes(fmt), gbytes = kq_gguf_block(fmt);
+  const KbRegions r = block ? kb_regions(fmt, nb) : KbRegions{};  // a block format's tile regions
   for (int64_t t = n0 / KQ_COLS; t * KQ_COLS < n1; ++t) {
     const int64_t base = t * KQ_COLS, r0 = std::max(n0, base), r1 = std::min(n1, base + KQ_COLS);
     const bool last = r1 == N, pad6 = fmt == kKq6 && (r1 == base + KQ_COLS || last);
+    uint8_t* first = dst + t * nb * tile;  // the tile
     for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* blk = dst + (t * nb + b) * tile;
+      uint8_t* blk = first + b * tile;  // a K-quant's super-block (the block formats address regions of the tile)
       for (int64_t n = r0; n < r1; ++n) {
         const uint8_t* g = src + (n * nb + b) * gbytes;
-        if (fmt == kKq4) put_q4k(g, blk, (int)(n - base));
-        else put_q6k(g, blk, (int)(n - base));
+        const int c = (int)(n - base);
+        if (block) put_block(fmt, g, first, r, b, c);
+        else if (fmt == kKq4) put_q4k(g, blk, c);
+        else put_q6k(g, blk, c);
       }
-      for (int64_t c = N - base; last && c < KQ_COLS; ++c) zero_col(fmt, blk, (int)c);
+      for (int64_t c = N - base; last && c < KQ_COLS; ++c) {
+        if (block) zero_block_col(fmt, first, r, b, (int)c);
+        else zero_col(fmt, blk, (int)c);
+      }
       if (pad6) std::memset(blk + KQ6_D + 32, 0, tile - KQ6_D - 32);
     }
   }

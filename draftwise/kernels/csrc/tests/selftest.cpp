@@ -290,22 +290,31 @@ std::vector<float> check_every_path(const char* what, int64_t N, int64_t K, int6
   return ref;
 }
 
+// n random GGUF blocks of gb bytes whose fp16 scales (at byte offsets `halves`) are finite: normal, subnormal
+// (every 7th block), negative, |d| < 2^-6 so that the products' sums stay in range
+std::vector<uint8_t> random_gguf_blocks(int64_t n, int64_t gb, std::initializer_list<int> halves) {
+  std::vector<uint8_t> src(n * gb);
+  for (auto& b : src) b = (uint8_t)next_u32();
+  for (int64_t i = 0; i < n; ++i)
+    for (int off : halves) {
+      uint16_t v = (uint16_t)(next_u32() & 0xBBFF);  // finite
+      if (i % 7 == 3) v = (uint16_t)(v & 0x83FF);    // subnormal
+      v = (uint16_t)((v & 0x8000) | ((v & 0x7FFF) % 0x2400));
+      std::memcpy(&src[i * gb + off], &v, 2);
+    }
+  return src;
+}
+
 int check_kquant(const char* const* names, int npaths) {
   int failures = 0;
   for (int fmt : {dw::kKq4, dw::kKq6}) {
     uint64_t h = 1469598103934665603ull;
     bool ok = true;
     for (int64_t N : {37, 32}) {
-      const int64_t K = 512, M = 13, nb = K / dw::QK, gb = fmt == dw::kKq4 ? 144 : 210;
-      std::vector<uint8_t> src(N * nb * gb), w(dw::kq_bytes(fmt, N, K));
-      for (auto& b : src) b = (uint8_t)next_u32();
-      for (int64_t i = 0; i < N * nb; ++i)
-        for (int k = 0; k < (fmt == dw::kKq4 ? 2 : 1); ++k) {
-          uint16_t v = (uint16_t)(next_u32() & 0xBBFF);  // finite
-          if (i % 7 == 3) v = (uint16_t)(v & 0x83FF);    // subnormal
-          v = (uint16_t)((v & 0x8000) | ((v & 0x7FFF) % 0x2400));  // |d| < 2^-6: sums stay in range
-          std::memcpy(&src[i * gb + (fmt == dw::kKq4 ? 2 * k : 208)], &v, 2);
-        }
+      const int64_t K = 512, M = 13, nb = K / dw::QK, gb = dw::kq_gguf_block(fmt);
+      const std::vector<uint8_t> src = fmt == dw::kKq4 ? random_gguf_blocks(N * nb, gb, {0, 2})
+                                                      : random_gguf_blocks(N * nb, gb, {208});
+      std::vector<uint8_t> w(dw::kq_bytes(fmt, N, K));
       dw::kq_pack_rows(fmt, src.data(), N, K, w.data(), 0, 5);
       dw::kq_pack_rows(fmt, src.data(), N, K, w.data(), 5, N);
       std::vector<float> x(M * K);
@@ -377,15 +386,9 @@ int check_kblock(const char* const* names, int npaths) {
     bool ok = true;
     for (int64_t N : {37, 32}) {
       const int64_t K = 160, M = 13, nb = K / dw::KB, gb = dw::kq_gguf_block(fmt);
-      std::vector<uint8_t> src(N * nb * gb), w(dw::kq_bytes(fmt, N, K));
-      for (auto& b : src) b = (uint8_t)next_u32();
-      for (int64_t i = 0; i < N * nb; ++i)
-        for (int k = 0; k < (fmt == dw::kKb41 ? 2 : 1); ++k) {
-          uint16_t v = (uint16_t)(next_u32() & 0xBBFF);  // finite
-          if (i % 7 == 3) v = (uint16_t)(v & 0x83FF);    // subnormal
-          v = (uint16_t)((v & 0x8000) | ((v & 0x7FFF) % 0x2400));
-          std::memcpy(&src[i * gb + 2 * k], &v, 2);
-        }
+      const std::vector<uint8_t> src = fmt == dw::kKb41 ? random_gguf_blocks(N * nb, gb, {0, 2})
+                                                       : random_gguf_blocks(N * nb, gb, {0});
+      std::vector<uint8_t> w(dw::kq_bytes(fmt, N, K));
       dw::kq_pack_rows(fmt, src.data(), N, K, w.data(), 0, 5);
       dw::kq_pack_rows(fmt, src.data(), N, K, w.data(), 5, N);
       std::vector<float> wd(N * K);

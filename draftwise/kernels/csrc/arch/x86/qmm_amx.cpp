@@ -232,7 +232,7 @@ std::string check_kernel(Kernel kernel, bool flip) {
 
   for (int fmt : {kKq4, kKq6}) {
     for (const auto& sh : shapes) {
-      const int64_t N = sh[0], K = sh[1], nb = K / QK, gb = fmt == kKq4 ? 144 : 210, M = 40;
+      const int64_t N = sh[0], K = sh[1], nb = K / QK, gb = kq_gguf_block(fmt), M = 40;
       std::vector<uint8_t> src(N * nb * gb), w(kq_bytes(fmt, N, K));
       for (auto& v : src) v = (uint8_t)u32();
       for (int64_t i = 0; i < N * nb; ++i)
