@@ -433,6 +433,8 @@ def quantize_linears(sd: dict[str, torch.Tensor], bits: int) -> dict[str, torch.
     runs one float step per block of 32 and shares each decoded weight among a tile of rows; else as the
     groups-of-32 code (``kernels.quantize_rtn``: fp32 scale and min, 9 / 6 bits a weight)."""
     import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
 
     from ..kernels import quantize_rtn
     from ..kernels.gguf_quant import kq_format, repack
@@ -442,9 +444,6 @@ def quantize_linears(sd: dict[str, torch.Tensor], bits: int) -> dict[str, torch.
     for k, v in sd.items():
         if v.dim() == 2 and k != "model.embed_tokens.weight" and v.shape[1] % 32 == 0:
             if kq_format(qtype, tuple(v.shape)) is not None:
-                from gguf import GGMLQuantizationType
-                from gguf.quants import quantize
-
                 raw = quantize(np.ascontiguousarray(v.float().numpy()), getattr(GGMLQuantizationType, qtype))
                 code = repack(raw, qtype, tuple(v.shape))
                 out.update({k + ".q": code.q, k + ".scale": code.scale, k + ".qmeta": torch.tensor([code.group, code.bits])})
