@@ -125,10 +125,15 @@ def test_thread_count_never_changes_a_result():
     cos, sin = torch.randn(B, T, hd, generator=g), torch.randn(B, T, hd, generator=g)
     kc0, vc0 = torch.randn(B, nkv, cap, hd, generator=g), torch.randn(B, nkv, cap, hd, generator=g)
 
+    rows = torch.randn(3, 300, 96, generator=g)  # a prompt's rows: the row-wise ops split them over the pool
+
     def run():
         kc, vc = kc0.clone(), vc0.clone()
         att = ext.decode_attention(qkv.clone(), cos, sin, kc, vc, [7, 20], nh, nkv, torch.empty(0), torch.empty(0))
-        return [lin(x) for lin in lins] + [att, kc, vc]
+        kc2, vc2, roped = kc0.clone(), vc0.clone(), qkv.clone()
+        ext.rope_append(roped, cos, sin, kc2, vc2, [7, 20], nh, nkv)
+        return [lin(x) for lin in lins] + [att, kc, vc, roped, kc2, vc2, ext.rms_norm(rows, rows[0, 0], 1e-6),
+                                           ext.silu_mul(rows)]
 
     with _threads(1):
         want = run()

@@ -260,6 +260,54 @@ def test_fused_decode_attention_matches_torch_ops(monkeypatch):
     torch.testing.assert_close(a.v[:, :, :, :10], b.v[:, :, :, :10], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cached", [0, 5])
+def test_long_prefill_through_the_compiled_row_ops_matches_torch_ops(monkeypatch, cached):
+    """A prompt longer than the exact-attention limit: norms, silu * up, rotary and the KV append run compiled
+    (the rows spread over the kernel's threads), attention through torch (causal from an empty cache, masked
+    after a cached prefix): what the torch ops compute, and the same keys and values in the cache."""
+    from draftwise.models import transformer
+
+    if transformer.extension() is None:
+        pytest.skip("the C++ kernel is not built here")
+    m = random_model(TINY_QWEN, seed=7, dtype=torch.float32)
+    T = transformer.EXACT_MAX_T + 9
+    toks = torch.randint(0, TINY.vocab_size, (2, cached + T), generator=torch.Generator().manual_seed(4))
+
+    def prefill():
+        c = m.new_cache(2, 128)
+        if cached:
+            m.forward(toks[:, :cached], c)
+        return m.forward(toks[:, cached:], c).logits, c
+
+    fused, a = prefill()
+    monkeypatch.setattr(transformer, "extension", lambda: None)
+    ref, b = prefill()
+    torch.testing.assert_close(fused, ref, atol=1e-4, rtol=1e-4)
+    n = cached + T
+    torch.testing.assert_close(a.k[:, :, :, :n], b.k[:, :, :, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.v[:, :, :, :n], b.v[:, :, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_prompts_mlp_in_chunks_of_rows_gives_the_same_bits(monkeypatch):
+    """A prompt's MLP runs MLP_ROWS rows at a time (bounded buffers); every op is row-wise, so the logits
+    and the cache are the bits of one call over all rows (with the kernel's exact rule for every row count,
+    as K-quant weights always have: no bf16 GEMM for the long calls)."""
+    from draftwise import kernels
+    from draftwise.models import transformer
+
+    monkeypatch.setattr(kernels, "BULK_MIN_ROWS", 10 ** 9)
+    m = _through_kernel(random_model(TINY_QWEN, seed=8, dtype=torch.float32))
+    toks = torch.randint(0, TINY.vocab_size, (2, 45), generator=torch.Generator().manual_seed(5))
+    whole_cache = m.new_cache(2, 64)
+    whole = m.forward(toks, whole_cache).logits
+    monkeypatch.setattr(transformer, "MLP_ROWS", 16)  # 90 rows: 6 chunks, the last one short
+    parts_cache = m.new_cache(2, 64)
+    parts = m.forward(toks, parts_cache).logits
+    assert torch.equal(whole, parts)
+    assert torch.equal(whole_cache.k[..., :45, :], parts_cache.k[..., :45, :])
+    assert torch.equal(whole_cache.v[..., :45, :], parts_cache.v[..., :45, :])
+
+
 def test_forward_many_equals_one_by_one_through_the_kernels_bit_exact():
     """fp32 weights through the kernel + fused attention: verification is bit-identical to decoding."""
     m = _through_kernel(random_model(TINY_QWEN, seed=6, dtype=torch.float32))

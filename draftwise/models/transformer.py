@@ -14,7 +14,6 @@ plain decoding makes. Long prefills take one batched SDPA call per sequence.
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -26,16 +25,14 @@ from .base import MAX_TREE_TOKENS, KVCache, LogitsFor, ModelConfig, ModelOutput
 EXACT_MAX_T = MAX_TREE_TOKENS  # forwards of at most this many new tokens use the row-by-row (invariant) attention
 
 
-_short = threading.local()  # .packed: inside a packed forward (Packing), whose (N, D) tensors are a short forward's
-
-
-def _fused_ops(t: torch.Tensor):
-    """The compiled layer ops (kernels/layers.cpp) when ``t`` (..., T, D) is fp32 activations of a short
-    forward (decode or verification, T <= EXACT_MAX_T; or a packed one's (N, D) real tokens, N up to
-    B·T) and the kernel is built; else None (torch ops). Torch's ops and the fused ones round differently,
-    so a packed forward must take the path its padded form takes, whatever N is."""
-    short = t.shape[-2] <= EXACT_MAX_T or getattr(_short, "packed", False)
-    return extension() if t.dtype == torch.float32 and short else None
+def _row_ops(t: torch.Tensor):
+    """The compiled row-wise layer ops (kernels/layers.cpp: RMSNorm, silu(gate) * up, rotary + KV append,
+    short forwards' attention) when ``t`` holds fp32 activations and the kernel is built; else None (torch's
+    ops). Row-wise, so a token's bits do not depend on how many tokens share the call: decode steps,
+    verification (padded or packed) and prompts all take them, a prompt's rows spread over the kernel's
+    threads (torch's element-wise ops run on one thread inside ``serial_torch``: 1 s of a 1024-token
+    prefill of the 1.5B went to silu and its product alone)."""
+    return extension() if t.dtype == torch.float32 else None
 
 
 class Linear(nn.Linear):
@@ -55,7 +52,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ext = _fused_ops(x) if self.weight.dtype == torch.float32 else None
+        ext = _row_ops(x) if self.weight.dtype == torch.float32 else None
         if ext is not None:  # one fused call
             return ext.rms_norm(x.contiguous(), self.weight, self.eps)
         h = x.float()
@@ -108,25 +105,32 @@ class Attention(nn.Module):
         if packed is not None:
             qkv = packed.unpack(qkv)  # (B, T, ...): padding positions zero (their keys lie past the row's end)
         B, T, _ = qkv.shape
-        ext = _fused_ops(qkv) if k_cache.dtype == torch.float32 else None
-        if ext is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
+        fused = k_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+        ext = _row_ops(qkv) if fused else None
+        if ext is not None and T <= EXACT_MAX_T:
             # the same computation as below, fused: one call instead of ~35 ops
             vis, nvis = (tree.vis, tree.nvis) if tree is not None else (_NONE, _NONE)
             out = ext.decode_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
                                        start, self.nh, self.nkv, vis, nvis)  # (B, T, nh hd)
             return self.o(out if packed is None else packed.pack(out))
-        q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q = q.view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
+        if ext is not None:  # a long prefill: rotary and KV append compiled (q rotated in place), attention torch's
+            qkv = qkv.contiguous()
+            ext.rope_append(qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, start, self.nh, self.nkv)
+            q = qkv[..., :self.nh * self.hd].view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        else:
+            q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+            q = q.view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+            k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+            v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
+            c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
+            q = q * c + _rotate_half(q) * s
+            k = k * c + _rotate_half(k) * s
+            for b in range(B):
+                k_cache[b, :, start[b]:start[b] + T] = k[b]
+                v_cache[b, :, start[b]:start[b] + T] = v[b]
         out = torch.empty_like(q)  # (B, nh, T, hd)
         for b in range(B):
             L = start[b]
-            k_cache[b, :, L:L + T] = k[b]
-            v_cache[b, :, L:L + T] = v[b]
             if T <= EXACT_MAX_T:
                 for t in range(T):  # exactly the call plain decoding makes for this token
                     if tree is None:
@@ -134,16 +138,19 @@ class Attention(nn.Module):
                     else:  # the cached prefix, then the node's path in order
                         keys = torch.cat([torch.arange(L), L + tree.vis[b, t, :int(tree.nvis[b, t])]])
                     out[b, :, t] = self._attend_one(q[b, :, t], k_cache[b, :, keys], v_cache[b, :, keys])
-            else:
+                continue
+            mask, causal = None, False
+            if tree is not None:  # tree: whole prefix + the new tokens the mask allows
+                mask = torch.cat([torch.ones(T, L, dtype=torch.bool), tree.mask[b]], dim=1)
+            elif L == 0:  # a prompt from an empty cache: torch's causal kernel skips the keys past the diagonal
+                causal = True
+            else:  # causal, offset by the cached prefix
                 keys = torch.arange(L + T)
-                if tree is None:  # causal, offset by the cached prefix
-                    mask = keys[None, :] <= (L + torch.arange(T))[:, None]  # (T, L+T)
-                else:  # tree: whole prefix + the new tokens the mask allows
-                    mask = torch.cat([torch.ones(T, L, dtype=torch.bool), tree.mask[b]], dim=1)
-                with parallel_torch():
-                    out[b] = F.scaled_dot_product_attention(
-                        q[b:b + 1], k_cache[b:b + 1, :, :L + T], v_cache[b:b + 1, :, :L + T],
-                        attn_mask=mask, enable_gqa=True)[0]
+                mask = keys[None, :] <= (L + torch.arange(T))[:, None]  # (T, L+T)
+            with parallel_torch():
+                out[b] = F.scaled_dot_product_attention(
+                    q[b:b + 1], k_cache[b:b + 1, :, :L + T], v_cache[b:b + 1, :, :L + T],
+                    attn_mask=mask, is_causal=causal, enable_gqa=True)[0]
         out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd)
         return self.o(out if packed is None else packed.pack(out))
 
@@ -200,6 +207,13 @@ class TreeMask:
             raise ValueError("attn_mask: every token must see itself")
 
 
+# rows per MLP call: a 1024-token prompt's (1024, 2 F) gate/up output is 73 MB for Qwen 1.5B, above glibc's
+# largest mmap threshold (32 MB), so every such call faults in fresh zeroed pages (~30 ms a layer); 256 rows'
+# buffers are reused (the MLP of a 1024-token prefill: 162 ms a layer against 192-208 ms whole). Chunks are
+# equal, so none is short enough to leave the bulk GEMM path (kernels.BULK_MIN_ROWS) where the others take it
+MLP_ROWS = 256
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -208,8 +222,16 @@ class MLP(nn.Module):
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up(x)  # (B, T, 2 F)
-        ext = _fused_ops(gu)
+        rows = x.shape[:-1].numel()
+        if rows > MLP_ROWS:  # a long prompt: a chunk of rows at a time (row-wise, so the same bits)
+            flat = x.reshape(rows, x.shape[-1])  # (rows, D)
+            n = -(-rows // -(-rows // MLP_ROWS))  # equal chunks of at most MLP_ROWS (none left short)
+            return torch.cat([self._mlp(flat[i:i + n]) for i in range(0, rows, n)]).view_as(x)
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(x)  # (..., 2 F)
+        ext = _row_ops(gu)
         if ext is not None:
             return self.down(ext.silu_mul(gu.contiguous()))
         gate, up = gu.split(self.ffn, dim=-1)
@@ -295,23 +317,19 @@ class Transformer(nn.Module):
         if packed is not None:
             h = packed.pack(h)  # (N, D): the real tokens only, up to the LM head
         tapped: dict[int, torch.Tensor] = {}
-        _short.packed = packed is not None  # the norms and MLP ops below see (N, D): still a short forward
-        try:
-            with bulk(T > EXACT_MAX_T):  # a long prefill: GEMM path (never compared token for token)
-                for i in range(len(self.layers)) if layers is None else layers:
-                    layer = self.layers[i]
-                    h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree, packed)
-                    h = h + layer.mlp(layer.mlp_norm(h))
-                    if i in taps:
-                        tapped[i] = h
-            cache.lengths[:B] += T
-            if packed is not None:
-                h = self.norm(h)  # (N, D)
-                logits = packed.unpack(self.lm_head(h).float())  # (B, T, V)
-                tap = packed.unpack(torch.stack([tapped[i] for i in taps], 1)) if taps else None
-                return ModelOutput(logits=logits, hidden=packed.unpack(h), taps=tap)
-        finally:
-            _short.packed = False
+        with bulk(T > EXACT_MAX_T):  # a long prefill: GEMM path (never compared token for token)
+            for i in range(len(self.layers)) if layers is None else layers:
+                layer = self.layers[i]
+                h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree, packed)
+                h = h + layer.mlp(layer.mlp_norm(h))
+                if i in taps:
+                    tapped[i] = h
+        cache.lengths[:B] += T
+        if packed is not None:
+            h = self.norm(h)  # (N, D)
+            logits = packed.unpack(self.lm_head(h).float())  # (B, T, V)
+            tap = packed.unpack(torch.stack([tapped[i] for i in taps], 1)) if taps else None
+            return ModelOutput(logits=logits, hidden=packed.unpack(h), taps=tap)
         every = self.norm(h) if all_hidden else None  # (B, T, D)
         if isinstance(logits_for, torch.Tensor):  # one position per row
             h = h[torch.arange(B), logits_for].unsqueeze(1)

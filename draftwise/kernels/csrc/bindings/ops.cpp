@@ -222,24 +222,36 @@ py::object repack_format(int64_t type) {
   return py::make_tuple(f.group, f.bits, f.has_min);
 }
 
-// qkv: (B, T, (nh + 2 nkv) hd) f32 (q and k are rotated in place); cos, sin: (B, T, hd) f32;
-// k_cache, v_cache: (B, nkv, cap, hd) f32; start[b]: cached length of row b. Appends the T new keys /
-// values at start[b].. and returns (B, T, nh hd). vis (B, T, T) int64 / nvis (B, T) int64, both empty for
-// causal attention: token t of row b sees the new tokens vis[b, t, :nvis[b, t]] (a token tree's paths).
-torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                               torch::Tensor v_cache, std::vector<int64_t> start, int64_t nh, int64_t nkv,
-                               torch::Tensor vis, torch::Tensor nvis) {
+// qkv: (B, T, (nh + 2 nkv) hd) f32; cos, sin: (B, T, hd) f32; k_cache, v_cache: (B, nkv, cap, hd) f32;
+// start[b]: cached length of row b. Checks the shapes, rotates q and k in place and appends the T new keys /
+// values at start[b].. (layers.cpp rope_append); returns the most keys a row then holds.
+int64_t checked_rope_append(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                            torch::Tensor v_cache, const std::vector<int64_t>& start, int64_t nh, int64_t nkv) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous(), "qkv: (B, T, W) f32");
   TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "kv cache: contiguous f32");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32, "cos/sin: f32");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
+              sin.scalar_type() == torch::kFloat32, "cos/sin: f32");
   const int64_t B = qkv.size(0), T = qkv.size(1), W = qkv.size(2), hd = k_cache.size(3), cap = k_cache.size(2);
   TORCH_CHECK(W == (nh + 2 * nkv) * hd && (int64_t)start.size() >= B && nh % nkv == 0, "shapes");
+  TORCH_CHECK(cos.numel() == B * T * hd && sin.numel() == B * T * hd, "cos/sin: (B, T, hd)");
   int64_t most = 0;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(start[b] + T <= cap, "KV cache overflow");
+    TORCH_CHECK(start[b] >= 0 && start[b] + T <= cap, "KV cache overflow");
     most = std::max(most, start[b] + T);
   }
+  dw::rope_append(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<float>(),
+                  v_cache.data_ptr<float>(), start.data(), B, T, nh, nkv, hd, cap);
+  return most;
+}
+
+// checked_rope_append, then attention: returns (B, T, nh hd). vis (B, T, T) int64 / nvis (B, T) int64, both
+// empty for causal attention: token t of row b sees the new tokens vis[b, t, :nvis[b, t]] (a token tree's paths).
+torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                               torch::Tensor v_cache, std::vector<int64_t> start, int64_t nh, int64_t nkv,
+                               torch::Tensor vis, torch::Tensor nvis) {
+  TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 4, "qkv: (B, T, W), kv cache: (B, nkv, cap, hd)");
+  const int64_t B = qkv.size(0), T = qkv.size(1), hd = k_cache.size(3), cap = k_cache.size(2);
   const bool tree = vis.numel() > 0;
   if (tree) {
     TORCH_CHECK(vis.scalar_type() == torch::kInt64 && nvis.scalar_type() == torch::kInt64 && vis.is_contiguous() &&
@@ -251,10 +263,10 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
       for (int64_t j = 0; j < np[i]; ++j) TORCH_CHECK(vp[i * T + j] >= 0 && vp[i * T + j] < T, "vis out of range");
     }
   }
+  const int64_t most = checked_rope_append(qkv, cos, sin, k_cache, v_cache, start, nh, nkv);
   float* qp = qkv.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
-  dw::rope_append(qp, cos.data_ptr<float>(), sin.data_ptr<float>(), kc, vc, start.data(), B, T, nh, nkv, hd, cap);
   auto out = torch::empty({B, T, nh * hd}, qkv.options());
   float* op = out.data_ptr<float>();
   const dw::IsaOps* ops = dw::active();
@@ -268,13 +280,22 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   return out;
 }
 
+// rows per chunk of a row-wise op over rows of D values: ~64K values, so that a decode step's few rows stay
+// on the calling thread (no hand-off) and a prompt's thousands are shared by the pool
+int64_t rows_per_chunk(int64_t D) { return std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(D, 1)); }
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && weight.scalar_type() == torch::kFloat32,
               "rms_norm: contiguous f32");
   const int64_t D = x.size(-1), M = x.numel() / D;
   TORCH_CHECK(weight.numel() == D && weight.is_contiguous(), "rms_norm: weight size");
   auto out = torch::empty_like(x);
-  dw::rms_norm(x.data_ptr<float>(), weight.data_ptr<float>(), M, D, (float)eps, out.data_ptr<float>());
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // rows are independent: a prompt's rows on every thread, the same bits (a short forward's stay on this one)
+  dw::parallel_for(M, rows_per_chunk(D), kernel_threads(), [&](int64_t m0, int64_t m1) {
+    dw::rms_norm(xp + m0 * D, wp, m1 - m0, D, (float)eps, op + m0 * D);
+  });
   return out;
 }
 
@@ -284,7 +305,12 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   auto sizes = gu.sizes().vec();
   sizes.back() = F;
   auto out = torch::empty(sizes, gu.options());
-  dw::active()->silu_mul(gu.data_ptr<float>(), M, F, out.data_ptr<float>());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const dw::IsaOps* ops = dw::active();
+  dw::parallel_for(M, rows_per_chunk(F), kernel_threads(), [&](int64_t m0, int64_t m1) {
+    ops->silu_mul(gp + m0 * 2 * F, m1 - m0, F, op + m0 * F);
+  });
   return out;
 }
 
@@ -345,6 +371,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_gguf", &repack_gguf, "GGUF blocks -> the kernel's code, exactly (repack.h)");
   m.def("repack_format", &repack_format, "(group, bits, has_min) of a re-packed ggml type, or None");
   m.def("decode_attention", &decode_attention, "rotary + KV append + attention for short forwards (layers.cpp)");
+  m.def("rope_append", [](torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                          torch::Tensor v_cache, std::vector<int64_t> start, int64_t nh, int64_t nkv) {
+    checked_rope_append(qkv, cos, sin, k_cache, v_cache, start, nh, nkv);
+  }, "rotary on q and k in place + KV append, the step of decode_attention before attending (a long prefill's, "
+     "whose attention torch computes)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, fp32 (layers.cpp)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] projection, fp32 (layers.cpp)");
   m.def("set_threads", &set_threads, "the kernel's thread count (0: torch's)");
