@@ -109,19 +109,23 @@ torch::Tensor kq_call(const char* what, torch::Tensor x, torch::Tensor w, int64_
   std::vector<float> d(M * nd);
   std::vector<int32_t> b16n(block ? 0 : M * (K / 16)), b32(M * (K / 32));
   std::vector<uint8_t> e(block ? 0 : M * (K / 32));
+  std::vector<int32_t> e32(block ? 0 : M * (K / 32)), b32p(block ? 0 : M * (K / 64));
   const float* xp = x.data_ptr<float>();
   const dw::IsaOps* ops = dw::active();  // its act_k / act_b: the reference's bits on this path's vectors
   dw::parallel_for(M, 1, kernel_threads(), [&](int64_t m0, int64_t m1) {
     if (block)
       ops->act_b(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * nd, b32.data() + m0 * (K / 32));
     else
+    {
       ops->act_k(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * nd, b16n.data() + m0 * (K / 16),
                  b32.data() + m0 * (K / 32), e.data() + m0 * (K / 32));
+      dw::kq_act_lanes(m0, m1, K, b32.data(), e.data(), e32.data(), b32p.data());
+    }
   });
   dw::KqArgs a{};
   a.M = M, a.K = K, a.N = N, a.fmt = (int)fmt;
   a.w = w.data_ptr<uint8_t>();
-  a.act = {q.data(), d.data(), b16n.data(), b32.data(), e.data()};
+  a.act = {q.data(), d.data(), b16n.data(), b32.data(), e.data(), block ? nullptr : e32.data(), block ? nullptr : b32p.data()};
   a.out = out.data_ptr<float>();
   run(a);
   return out;

@@ -121,7 +121,14 @@ struct ActQ8K {
   const int32_t* b16n;  // (M, K / 16) -32 * sums over 16
   const int32_t* b32;   // (M, K / 32) sums over 32, shifted left by e
   const uint8_t* e;     // (M, K / 32) left shift (0..3) of each block of 32's products
+  // the same integers as the tiles read them (kq_act_lanes; K-quants only, else null): a 32-bit word a
+  // vector broadcasts straight from memory
+  const int32_t* e32;   // (M, K / 32) e, as int32
+  const int32_t* b32p;  // (M, K / 64) b32 in int16 pairs: word k = b32[2k] (low half) | b32[2k + 1] << 16
 };
+
+// e32 and b32p of ActQ8K from e and b32, rows m0..m1 (exact: |b32| <= 32 * 127 * 8 = 32512 fits int16)
+void kq_act_lanes(int64_t m0, int64_t m1, int64_t K, const int32_t* b32, const uint8_t* e, int32_t* e32, int32_t* b32p);
 
 struct KqArgs {
   int64_t M, K, N;

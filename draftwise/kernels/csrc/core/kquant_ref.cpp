@@ -63,6 +63,12 @@ void act_q8k(const float* xp, int64_t M, int64_t K, int8_t* q, float* d, int32_t
   }
 }
 
+void kq_act_lanes(int64_t m0, int64_t m1, int64_t K, const int32_t* b32, const uint8_t* e, int32_t* e32, int32_t* b32p) {
+  for (int64_t i = m0 * (K / 32); i < m1 * (K / 32); ++i) e32[i] = e[i];
+  for (int64_t i = m0 * (K / 64); i < m1 * (K / 64); ++i)
+    b32p[i] = (int32_t)(((uint32_t)(uint16_t)(int16_t)b32[2 * i + 1] << 16) | (uint16_t)(int16_t)b32[2 * i]);
+}
+
 namespace {
 
 inline float h2f(const uint8_t* p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }

@@ -338,9 +338,11 @@ int check_kquant(const char* const* names, int npaths) {
           std::printf("MISMATCH act_k on path %s\n", ops->name);
           ok = false;
         }
+        std::vector<int32_t> e32(rows * (K / 32)), b32p(rows * (K / 64));
+        dw::kq_act_lanes(0, rows, K, b32.data(), e.data(), e32.data(), b32p.data());
         dw::KqArgs a{};
         a.M = rows, a.K = K, a.N = N, a.fmt = fmt, a.w = w.data(), a.out = out.data();
-        a.act = {q.data(), d.data(), b16n.data(), b32.data(), e.data()};
+        a.act = {q.data(), d.data(), b16n.data(), b32.data(), e.data(), e32.data(), b32p.data()};
         const int64_t tiles = dw::kq_tiles(N);
         ops->qmm_k(a, 0, 1);
         ops->qmm_k(a, 1, tiles);

@@ -249,9 +249,12 @@ std::string check_kernel(Kernel kernel, bool flip) {
       std::vector<float> d(M * nb), ref(M * N), out(M * N);
       std::vector<int32_t> b16n(M * (K / 16)), b32(M * (K / 32));
       std::vector<uint8_t> e(M * (K / 32));
+      std::vector<int32_t> e32(M * (K / 32)), b32p(M * (K / 64));
       act_q8k(x.data(), M, K, q.data(), d.data(), b16n.data(), b32.data(), e.data());
+      kq_act_lanes(0, M, K, b32.data(), e.data(), e32.data(), b32p.data());
       KqArgs a{};
-      a.M = M, a.K = K, a.N = N, a.fmt = fmt, a.w = w.data(), a.act = {q.data(), d.data(), b16n.data(), b32.data(), e.data()};
+      a.M = M, a.K = K, a.N = N, a.fmt = fmt, a.w = w.data();
+      a.act = {q.data(), d.data(), b16n.data(), b32.data(), e.data(), e32.data(), b32p.data()};
       a.out = ref.data();
       kq_ref(a, 0, kq_tiles(N));
       for (int64_t m = 1; m <= M; m = m == 33 ? M : m + 1) {
