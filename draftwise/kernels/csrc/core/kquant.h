@@ -34,7 +34,7 @@
 // THE RULE (bit-identical on every path and for any number of rows; integer sums are exact in any order):
 //   For each (row, column), acc = 0, then for each super-block b in k order:
 //   Q4_K: S  = sum_j sc_j * ((sum over sub-block j (32 weights) of q_k * qx_k) << e_j)  (int32, exact)
-//         Mn = sum_j m_j * b32_j                                                       (int32, exact)
+//         Mn = sum_j m_j * b32_j   (int32, exact; the tiles take j in pairs: int16 pair dot products, b32p)
 //         acc = fma(float(S), d * dx, acc); acc = fma(float(Mn), -(dmin * dx), acc)
 //   Q6_K: u_k = q_k + 32 in [0, 63] (the file's 6-bit code); sub-block j (16 weights) lies in block j / 2:
 //         S  = sum_j sc_j * ((sum over sub-block j of u_k * qx_k + b16n_j) << e_{j/2})  (int32, exact)
