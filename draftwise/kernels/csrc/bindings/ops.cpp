@@ -113,10 +113,9 @@ torch::Tensor kq_call(const char* what, torch::Tensor x, torch::Tensor w, int64_
   const float* xp = x.data_ptr<float>();
   const dw::IsaOps* ops = dw::active();  // its act_k / act_b: the reference's bits on this path's vectors
   dw::parallel_for(M, 1, kernel_threads(), [&](int64_t m0, int64_t m1) {
-    if (block)
+    if (block) {
       ops->act_b(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * nd, b32.data() + m0 * (K / 32));
-    else
-    {
+    } else {
       ops->act_k(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * nd, b16n.data() + m0 * (K / 16),
                  b32.data() + m0 * (K / 32), e.data() + m0 * (K / 32));
       dw::kq_act_lanes(m0, m1, K, b32.data(), e.data(), e32.data(), b32p.data());
