@@ -4,7 +4,7 @@
 |-------------------------------|----------------------------------|------------------------------------------------------------|
 | `DRAFTWISE_HOME`              | models, heads, layerskip, kernels | cache folder (default `~/.cache/draftwise`)                |
 | `DRAFTWISE_API_KEY`           | `draftwise serve`                | default of `--api-key` (unset: no key)                     |
-| `DRAFTWISE_KEEP_CONVERTED`    | model loading                    | `1`: keep a converted safetensors copy of a GGUF; `0`: do not. Unset: a single process keeps none, `serve --replicas` keeps one (the replicas share its pages) |
+| `DRAFTWISE_KEEP_CONVERTED`    | model loading                    | `1` (default): keep a converted safetensors copy of a GGUF where the disk has room (later loads map it; processes share its pages); `0`: the GGUF is the only copy, every load re-packs it |
 | `DRAFTWISE_ISA`               | kernels                          | force a kernel path (`scalar`, `avx2`, ...; `auto`)        |
 | `DRAFTWISE_NO_KERNELS`        | kernels                          | `1`: do not build / use the C++ kernel (torch ops only)    |
 | `DRAFTWISE_PREFILL`           | kernels                          | `gemm` or `kernel`: force how long prefills run            |
@@ -56,9 +56,9 @@ def api_key() -> str | None:
     return os.environ.get("DRAFTWISE_API_KEY") or None
 
 
-def keep_converted(default: bool = False) -> bool:
+def keep_converted(default: bool = True) -> bool:
     """``DRAFTWISE_KEEP_CONVERTED``: ``1`` keeps a converted safetensors copy of a GGUF, any other value
-    does not; unset, ``default`` (False for one process, True for ``serve --replicas``)."""
+    does not; unset, ``default`` (True: a copy is kept where the disk has room for it)."""
     v = _get("DRAFTWISE_KEEP_CONVERTED")
     return default if not v else v == "1"
 

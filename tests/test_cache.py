@@ -271,13 +271,11 @@ def test_conversion_records_its_source_and_prunes_older_copies(tmp_path, monkeyp
     assert not legacy.exists() and [d.name for d in (h / "converted").iterdir()] == [out.name]
     from draftwise.kernels import extension
 
-    loading.load_gguf(path, "gguf", progress=False)  # read in place: its tensor table joins the same folder
+    loading.load_gguf(path, "gguf", progress=False, keep=False)  # in place: its tensor table joins the same folder
     if extension() is not None:
         assert [f.name for f in out.glob("model-*")] == ["model-float32.safetensors"]
         assert (out / loading.LAYOUT_FILE).exists()
-    monkeypatch.setenv("DRAFTWISE_KEEP_CONVERTED", "1")
-    loading.load_gguf(path, "gguf", progress=False)  # a kept copy joins it too
-    monkeypatch.delenv("DRAFTWISE_KEEP_CONVERTED")
+    loading.load_gguf(path, "gguf", progress=False)  # a kept copy (the default) joins it too
     assert sorted(f.name for f in out.glob("model-*")) == ["model-float32.safetensors", "model-gguf.safetensors"]
     (out / loading.SOURCE_RECORD).unlink()  # converted before records: the next load writes one
     loading.load_gguf(path, torch.float32, progress=False)

@@ -67,7 +67,7 @@ def test_settings_read_at_call_time(monkeypatch, tmp_path):
     monkeypatch.delenv("DRAFTWISE_HOME")
     assert settings.home() == Path.home() / ".cache" / "draftwise"
     monkeypatch.delenv("DRAFTWISE_KEEP_CONVERTED", raising=False)
-    assert settings.keep_converted() is False and settings.keep_converted(default=True) is True
+    assert settings.keep_converted() is True and settings.keep_converted(default=False) is False
     monkeypatch.setenv("DRAFTWISE_KEEP_CONVERTED", "0")
     assert settings.keep_converted(default=True) is False
     monkeypatch.setenv("DRAFTWISE_KEEP_CONVERTED", "1")

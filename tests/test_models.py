@@ -367,8 +367,8 @@ def _unfused_reference(path):
 
 @pytest.mark.parametrize("arch,qtypes", [("qwen2", MIXED), ("llama", MIXED), ("qwen2", ("Q8_0", "F16", "Q4_1"))])
 def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monkeypatch, arch, qtypes):
-    """By default a GGUF is the only copy on disk: its converted folder holds config, tokenizer and tensor
-    table, no weights; every load re-packs the blocks (fused runs written in place, llama's Q/K rows put back
+    """With DRAFTWISE_KEEP_CONVERTED=0 a GGUF is the only copy on disk: its converted folder holds config,
+    tokenizer and tensor table, no weights; every load re-packs the blocks (fused runs written in place, llama's Q/K rows put back
     in order), later loads never parse the GGUF's header again, the embedding stays quantized, and the
     logits equal those of the model built from the unfused tensors by the numpy reference, bit for bit
     (also when a projection mixes dense F16 parts with quantized ones: those are concatenated whole). The
@@ -383,6 +383,7 @@ def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monk
     if extension() is None:
         pytest.skip("the kernel is not built here (no compiler): GGUFs are converted instead")
     cfg, path = _mixed_gguf(tmp_path, monkeypatch, arch, qtypes)
+    monkeypatch.setenv("DRAFTWISE_KEEP_CONVERTED", "0")
     lm = load_model(str(path), "gguf", progress=False)  # reads the layout, then the blocks
     folder = converted_dir(path)
     assert (folder / LAYOUT_FILE).exists() and not list(folder.glob("*.safetensors"))
@@ -411,27 +412,65 @@ def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monk
 
 
 def test_kept_converted_copy_is_mapped_and_equal(tmp_path, monkeypatch):
-    """DRAFTWISE_KEEP_CONVERTED=1 stores the fused code as safetensors; later loads (with or without the
-    variable) memory-map it, and the model equals the in-place one bit for bit."""
+    """By default the first load of a GGUF keeps its re-packed code as safetensors; later loads (with or
+    without the variable) memory-map it, and the model equals the in-place one bit for bit."""
     from draftwise.kernels import QLinear, extension
     from draftwise.models import load_model
     from draftwise.models.loading import converted_dir
 
     cfg, path = _mixed_gguf(tmp_path, monkeypatch)
+    monkeypatch.delenv("DRAFTWISE_KEEP_CONVERTED", raising=False)
     if extension() is not None:
-        in_place = load_model(str(path), "gguf", progress=False)
-    monkeypatch.setenv("DRAFTWISE_KEEP_CONVERTED", "1")
-    load_model(str(path), "gguf", progress=False)  # converts
+        in_place = load_model(str(path), "gguf", progress=False, keep_converted=False)
     weights = converted_dir(path) / "model-gguf.safetensors"
-    assert weights.exists()
-    monkeypatch.delenv("DRAFTWISE_KEEP_CONVERTED")
+    assert not weights.exists()
+    first = load_model(str(path), "gguf", progress=False)  # re-packs and keeps (or converts, without the kernel)
+    assert weights.exists() and not list(weights.parent.glob("*.tmp"))
+    monkeypatch.setenv("DRAFTWISE_KEEP_CONVERTED", "0")
     mapped = load_model(str(path), "gguf", progress=False)
-    qkv = mapped.model.layers[0].attn.qkv
-    assert _is_file_backed(qkv.q if isinstance(qkv, QLinear) else qkv.parts[0].q, weights)
+    for m in (first, mapped):
+        qkv = m.model.layers[0].attn.qkv
+        assert _is_file_backed(qkv.q if isinstance(qkv, QLinear) else qkv.parts[0].q, weights)
     if extension() is not None:
         toks = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
         a, b = mapped.model.new_cache(1, 32), in_place.model.new_cache(1, 32)
         assert torch.equal(mapped.model.forward(toks, a).logits, in_place.model.forward(toks, b).logits)
+
+
+@pytest.mark.parametrize("why", ["room", "write"])
+def test_no_room_for_a_kept_copy_reads_in_place(tmp_path, monkeypatch, capsys, why):
+    """A disk without room for the copy (its size + KEEP_MARGIN free), or one that refuses the write, keeps
+    no copy and leaves no partial file: the load goes on from the re-packed code, with a note saying why."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    import safetensors.torch
+
+    from draftwise.kernels import extension
+    from draftwise.models import load_model
+    from draftwise.models.loading import converted_dir
+
+    if extension() is None:
+        pytest.skip("the kernel is not built here: GGUFs are converted instead")
+    cfg, path = _mixed_gguf(tmp_path, monkeypatch)
+    monkeypatch.delenv("DRAFTWISE_KEEP_CONVERTED", raising=False)
+    if why == "room":
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**12, 10**12 - 10**8, 10**8))
+    else:
+        def full(sd, filename, *a, **k):
+            with open(filename, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(safetensors.torch, "save_file", full)
+    lm = load_model(str(path), "gguf", progress=True)
+    assert "not keeping a converted copy" in capsys.readouterr().err
+    folder = converted_dir(path)
+    assert not list(folder.glob("model-*")) and not list(folder.glob("*.tmp"))
+    toks = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
+    assert torch.isfinite(lm.model.forward(toks, lm.model.new_cache(1, 16)).logits).all()
 
 
 def test_truncated_gguf_is_a_clear_error(tmp_path, monkeypatch):
@@ -443,7 +482,7 @@ def test_truncated_gguf_is_a_clear_error(tmp_path, monkeypatch):
     if extension() is None:
         pytest.skip("the kernel is not built here")
     _, path = _mixed_gguf(tmp_path, monkeypatch)
-    load_model(str(path), "gguf", progress=False)
+    load_model(str(path), "gguf", progress=False, keep_converted=False)  # (a kept copy would be mapped instead)
     table = (converted_dir(path) / LAYOUT_FILE).read_text()
     st = path.stat()
     with open(path, "r+b") as f:

@@ -379,9 +379,11 @@ def prune_conversions(gguf_path: Path, keep: Path) -> list[Path]:
 
 
 def keep_converted() -> bool:
-    """``DRAFTWISE_KEEP_CONVERTED=1``: also store the kernel's code of a GGUF as a converted safetensors copy
-    (~1.4x the GGUF on disk), which later loads memory-map: start-up skips the re-pack (~0.5 s for the
-    1.5B) and processes serving the same model share those pages. Default: the GGUF is the only copy."""
+    """Whether a GGUF's kernel code is also kept as a converted safetensors copy (``DRAFTWISE_KEEP_CONVERTED``;
+    default yes, where the disk has room: ``_keep_copy``). The copy holds the file's own blocks re-laid out
+    (1.1 GB for the 1.5B's 0.99 GB GGUF); later loads memory-map it: start-up skips the re-pack (0.65 -> 0.28 s
+    for the 1.5B on Zen 5) and processes serving the same model share its pages. ``0``: the GGUF stays the
+    only copy on disk and every load re-packs its blocks."""
     return settings.keep_converted()
 
 
@@ -461,10 +463,11 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep:
     """Return (config, state_dict, tokenizer folder). ``dtype`` is a torch dtype (dense weights in it),
     "gguf" (keep the file's own quantization, exact) or "int8" / "int4" (``quantize_linears`` of the
     de-quantized weights, done once: the converted copy holds the codes). "gguf" reads the file in place: its blocks are
-    re-packed into the kernel's code at every load (``read_in_place``), and the converted folder holds only
-    the config, tokenizer and tensor table. Dense formats (and "gguf" with ``keep_converted()`` or without the
-    C++ kernel) are converted once to a safetensors copy, then memory-mapped. ``keep``: whether a "gguf"
-    load keeps such a copy (None: ``keep_converted()``, from the environment)."""
+    re-packed into the kernel's code (``read_in_place``; the converted folder holds the config, tokenizer and
+    tensor table), and that code is kept as a safetensors copy (``_keep_copy``) that later loads memory-map,
+    unless ``keep`` is False or the disk lacks room. Dense formats (and "gguf" without the C++ kernel) are
+    converted once to a safetensors copy, then memory-mapped. ``keep``: whether a "gguf" load keeps its copy
+    (None: ``keep_converted()``, from the environment; default yes)."""
     from ..kernels import extension
 
     out = converted_dir(path)
@@ -482,35 +485,83 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep:
                 _write_source_record(path, out)
         return ModelConfig(**json.loads(cfg_file.read_text())), mmap_safetensors(weights), out
     keep = keep_converted() if keep is None else keep
-    in_place = dtype == "gguf" and not keep and extension() is not None
+    in_place = dtype == "gguf" and extension() is not None  # re-packed from the mapped file, then maybe kept
     if in_place and described and (out / LAYOUT_FILE).exists():
         cfg = ModelConfig(**json.loads(cfg_file.read_text()))
-        return cfg, read_in_place(path, cfg, json.loads((out / LAYOUT_FILE).read_text()), progress), out
+        table = json.loads((out / LAYOUT_FILE).read_text())
+    else:
+        from gguf import GGUFReader
 
-    from gguf import GGUFReader
+        if progress:
+            what = "reading the tensor layout of" if in_place else "converting"
+            print(f"draftwise: {what} {path.name} (first load only) ...", file=sys.stderr)
+        reader = GGUFReader(str(path))
+        cfg = gguf_config(reader)
+        table = [{"name": t.name, "type": t.tensor_type.name, "shape": [int(x) for x in reversed(t.shape)],
+                  "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in reader.tensors if _hf_name(t.name)]
+        sd = None
+        if not in_place:
+            sd = gguf_state_dict(reader, cfg, progress, keep_quantized=dtype == "gguf")
+            if dtype in ("int8", "int4"):
+                sd = quantize_linears(sd, 8 if dtype == "int8" else 4)
+            elif not isinstance(dtype, str):
+                sd = {k: v.to(dtype) for k, v in sd.items()}
+            sd = prefuse(sd, cfg)
+        del reader
+        _write_converted(path, out, sd, weights.name, cfg, cfg_file.name, table)
+        prune_conversions(path, out)
+        if sd is not None:
+            del sd  # the converted copy is mapped, like every later load
+            return cfg, mmap_safetensors(weights), out
+    sd = read_in_place(path, cfg, table, progress)
+    if keep and _keep_copy(sd, weights, progress):
+        del sd  # mapped from now on: the re-packed pages leave this process
+        return cfg, mmap_safetensors(weights), out
+    return cfg, sd, out
 
+
+KEEP_MARGIN = 1 << 30  # a kept copy must leave this much of its disk free
+
+
+def _keep_copy(sd: dict[str, torch.Tensor], weights: Path, progress: bool) -> bool:
+    """Save a GGUF's re-packed code (``read_in_place``'s state dict) as ``weights`` beside its description,
+    so that later loads memory-map it (no re-pack; processes share the pages). Written under a name of
+    this process's own and renamed into place (concurrent first loads each write theirs, the last rename
+    wins, every one complete). False, with a note, where the disk lacks the room (the copy's size plus
+    ``KEEP_MARGIN``) or refuses the write: the load goes on from the re-packed code, as every later one will."""
+    from safetensors.torch import save_file
+
+    need = sum(t.numel() * t.element_size() for t in sd.values())
+    for stale in weights.parent.glob(weights.name + ".*.tmp"):  # left by a killed process
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(stale.name.split(".")[-2])
+            if pid != os.getpid() and not _alive(pid):
+                stale.unlink()
+    free = shutil.disk_usage(weights.parent).free
+    why = f"{free / 1e9:.2f} GB free in {weights.parent}" if free < need + KEEP_MARGIN else None
+    if why is None:
+        tmp = weights.with_name(f"{weights.name}.{os.getpid()}.tmp")
+        try:
+            save_file(sd, str(tmp))
+            os.replace(tmp, weights)
+            return True
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            why = f"{type(e).__name__}: {e.strerror or e}"
     if progress:
-        what = "reading the tensor layout of" if in_place else "converting"
-        print(f"draftwise: {what} {path.name} (first load only) ...", file=sys.stderr)
-    reader = GGUFReader(str(path))
-    cfg = gguf_config(reader)
-    table = [{"name": t.name, "type": t.tensor_type.name, "shape": [int(x) for x in reversed(t.shape)],
-              "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in reader.tensors if _hf_name(t.name)]
-    sd = None
-    if not in_place:
-        sd = gguf_state_dict(reader, cfg, progress, keep_quantized=dtype == "gguf")
-        if dtype in ("int8", "int4"):
-            sd = quantize_linears(sd, 8 if dtype == "int8" else 4)
-        elif not isinstance(dtype, str):
-            sd = {k: v.to(dtype) for k, v in sd.items()}
-        sd = prefuse(sd, cfg)
-    del reader
-    _write_converted(path, out, sd, weights.name, cfg, cfg_file.name, table)
-    prune_conversions(path, out)
-    if sd is None:
-        return cfg, read_in_place(path, cfg, table, progress), out
-    del sd  # the converted copy is mapped, like every later load
-    return cfg, mmap_safetensors(weights), out
+        print(f"draftwise: not keeping a converted copy ({need / 1e9:.2f} GB; {why}): each load re-packs the "
+              "GGUF (DRAFTWISE_KEEP_CONVERTED=0 stops trying)", file=sys.stderr)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def read_in_place(path: Path, cfg: ModelConfig, table: list[dict], progress: bool = False) -> dict[str, torch.Tensor]:

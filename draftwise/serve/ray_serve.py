@@ -24,8 +24,6 @@ import os
 import sys
 import time
 
-from .. import settings
-
 APP_NAME = "draftwise"
 DEPLOYMENT = "draftwise"
 
@@ -95,8 +93,8 @@ def deployment(spec: dict):
 
 def prepare_models(spec: dict) -> None:
     """Download and convert the models once, in this process, before replicas start: N replicas must not
-    convert the same file at once. A converted copy of a GGUF is kept (unless ``DRAFTWISE_KEEP_CONVERTED``
-    says otherwise) and each replica maps it, so the weight pages are shared between replicas on
+    convert the same file at once. A converted copy of a GGUF is kept (the default, unless
+    ``DRAFTWISE_KEEP_CONVERTED=0`` or the disk lacks room) and each replica maps it, so the weight pages are shared between replicas on
     one machine instead of re-packed into each replica's own memory."""
     from ..api import uses_draft_model
     from ..models import default_draft_weights, load_model
@@ -106,8 +104,7 @@ def prepare_models(spec: dict) -> None:
     if uses_draft_model(spec["engine"]["method"]) and m["draft"]:
         names.append((m["draft"], m["draft_dtype"] or default_draft_weights(m["dtype"], m["backend"])))
     for name, dtype in names:
-        keep = settings.keep_converted(default=True)  # shared pages by default here
-        load_model(name, dtype, m["backend"], progress=True, keep_converted=keep)
+        load_model(name, dtype, m["backend"], progress=True)  # a kept copy: see the docstring
 
 
 def cmd_serve_ray(args) -> int:
