@@ -437,6 +437,29 @@ def test_kept_converted_copy_is_mapped_and_equal(tmp_path, monkeypatch):
         assert torch.equal(mapped.model.forward(toks, a).logits, in_place.model.forward(toks, b).logits)
 
 
+def test_int4_conversion_keeps_an_untied_embedding_in_its_blocks(tmp_path, monkeypatch):
+    """An int4 (or int8) conversion quantizes the projections and keeps the untied token embedding exact: as
+    the GGUF's own blocks (no fp32 table in the copy), every row equal to the de-quantized table's."""
+    import json
+
+    from draftwise.kernels import extension
+    from draftwise.models import load_model
+    from draftwise.models.loading import converted_dir
+    from draftwise.models.transformer import GGUFEmbedding
+
+    if extension() is None:
+        pytest.skip("the kernel is not built here")
+    cfg, path = _mixed_gguf(tmp_path, monkeypatch)
+    lm = load_model(str(path), "int4", progress=False)
+    f = converted_dir(path) / "model-int4.safetensors"
+    header = json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")])
+    assert "model.embed_tokens.weight" not in header and "model.embed_tokens.weight.gguf" in header
+    assert isinstance(lm.model.embed, GGUFEmbedding)
+    ref = _unfused_reference(path)
+    every = torch.arange(cfg.vocab_size).view(2, -1)
+    assert torch.equal(lm.model.embed(every), ref.embed(every))
+
+
 @pytest.mark.parametrize("why", ["room", "write"])
 def test_no_room_for_a_kept_copy_reads_in_place(tmp_path, monkeypatch, capsys, why):
     """A disk without room for the copy (its size + KEEP_MARGIN free), or one that refuses the write, keeps
