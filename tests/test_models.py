@@ -437,6 +437,29 @@ def test_kept_converted_copy_is_mapped_and_equal(tmp_path, monkeypatch):
         assert torch.equal(mapped.model.forward(toks, a).logits, in_place.model.forward(toks, b).logits)
 
 
+def test_converted_copies_are_aligned_and_standard_safetensors(tmp_path):
+    """save_aligned: every tensor 64-byte aligned in a memory map of the file (fillers between them, never
+    returned), and the file still a valid safetensors file (the library reads it back equal)."""
+    from safetensors.torch import load_file
+
+    from draftwise.models.loading import ST_ALIGN, mmap_safetensors, save_aligned
+
+    g = torch.Generator().manual_seed(0)
+    sd = {"a": torch.randint(0, 255, (3, 7), dtype=torch.uint8, generator=g), "b": torch.randn(5, generator=g),
+          "c": torch.randn(2, 3, generator=g).bfloat16(), "d": torch.tensor([1, 2, 3], dtype=torch.int64),
+          "e": torch.empty(4, 0), "f": torch.randint(-9, 9, (11,), dtype=torch.int8, generator=g),
+          "g": torch.tensor([True, False])}
+    path = tmp_path / "x.safetensors"
+    save_aligned(sd, path)
+    back, mapped = load_file(str(path)), mmap_safetensors(path)
+    assert set(mapped) == set(sd) and set(back) - set(sd) <= {k for k in back if k.startswith("__pad")}
+    for k, v in sd.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+        assert mapped[k].dtype == v.dtype and torch.equal(mapped[k], v), k
+        if v.numel():
+            assert mapped[k].data_ptr() % ST_ALIGN == 0, k
+
+
 def test_int4_conversion_keeps_an_untied_embedding_in_its_blocks(tmp_path, monkeypatch):
     """An int4 (or int8) conversion quantizes the projections and keeps the untied token embedding exact: as
     the GGUF's own blocks (no fp32 table in the copy), every row equal to the de-quantized table's."""
@@ -468,10 +491,8 @@ def test_no_room_for_a_kept_copy_reads_in_place(tmp_path, monkeypatch, capsys, w
     import shutil
     from collections import namedtuple
 
-    import safetensors.torch
-
     from draftwise.kernels import extension
-    from draftwise.models import load_model
+    from draftwise.models import load_model, loading
     from draftwise.models.loading import converted_dir
 
     if extension() is None:
@@ -487,7 +508,7 @@ def test_no_room_for_a_kept_copy_reads_in_place(tmp_path, monkeypatch, capsys, w
                 f.write(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(safetensors.torch, "save_file", full)
+        monkeypatch.setattr(loading, "save_aligned", full)
     lm = load_model(str(path), "gguf", progress=True)
     assert "not keeping a converted copy" in capsys.readouterr().err
     folder = converted_dir(path)
