@@ -581,19 +581,30 @@ def test_kv_cache_memory_is_committed_as_it_is_used():
     used (the OS commits pages on first write), not with the capacity."""
     from draftwise.models.base import KVCache
 
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
+    def resident(*tensors) -> int:  # bytes of these tensors' pages in memory (mincore), not the whole
+        import ctypes  # process's RSS, which other threads' allocations move
 
-    before = rss()
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = 4096
+        total = 0
+        for t in tensors:
+            lo = t.data_ptr() // page * page
+            n = -(-(t.data_ptr() + t.numel() * t.element_size() - lo) // page)
+            vec = (ctypes.c_ubyte * n)()
+            assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(n * page), vec) == 0, ctypes.get_errno()
+            total += sum(v & 1 for v in vec) * page
+        return total
+
     cache = KVCache(8, 1, 2, 4096, 64, torch.float32)  # 2 x 16 MiB reserved
     reserved = cache.nbytes()
-    after_alloc = rss()
+    after_alloc = resident(cache.k, cache.v)
     cache.k[:, 0, :, :64] = 1.0
     cache.v[:, 0, :, :64] = 1.0
-    after_write = rss()
-    assert after_alloc - before < reserved // 8
-    assert after_write - before < reserved // 8  # 64 of 4096 positions written
+    after_write = resident(cache.k, cache.v)
+    assert after_alloc < reserved // 8
+    assert after_write < reserved // 8  # 64 of 4096 positions written
+    cache.k[:, 0, :, :2048] = 1.0  # the measure sees what is written: half of k
+    assert resident(cache.k, cache.v) > reserved // 4
 
 
 TOKENIZER_TEXTS = ["def quicksort(arr):\n    return arr", "  héllo 你好 <|im_end|> x", "\n\n\t  spaces   ", "",

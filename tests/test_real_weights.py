@@ -137,11 +137,17 @@ def test_second_load_uses_converted_cache(smollm, monkeypatch):
 
 def test_int4_from_a_gguf_is_quantized_once_and_mapped(smollm, monkeypatch):
     """--dtype int4 of a GGUF: the converted copy holds the int4 codes (quantized once, at conversion);
-    a later load maps it without re-reading the GGUF, and its weights equal quantizing the fp32 model."""
+    a later load maps it without re-reading the GGUF, and its weights equal quantizing the fp32 model (gguf's
+    Q4_1 blocks where the K-quant rule takes the matrix, else the groups-of-32 code)."""
     import gguf
     from safetensors import safe_open
 
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     from draftwise.kernels import QLinear, dequantize, quantize_rtn
+    from draftwise.kernels.gguf_quant import KQ_TYPES, repack
     from draftwise.models.loading import converted_dir
     from draftwise.models.registry import resolve
 
@@ -159,12 +165,17 @@ def test_int4_from_a_gguf_is_quantized_once_and_mapped(smollm, monkeypatch):
     dense = dict(fp32.model.named_modules())
     checked = 0
     for name, mod in again.model.named_modules():
-        if isinstance(mod, QLinear) and mod.bits == 4:  # each code = round-to-nearest of the fp32 weights
-            ref = dense[name]
-            w = dequantize(ref.q, ref.scale, ref.minv, ref.group, ref.bits)  # the fp32 model's (N, K)
+        if not isinstance(mod, QLinear) or mod.bits not in (4, KQ_TYPES["Q4_1"]):
+            continue
+        ref = dense[name]
+        w = dequantize(ref.q, ref.scale, ref.minv, ref.group, ref.bits)  # the fp32 model's (N, K)
+        if mod.bits == 4:  # the groups-of-32 code: round-to-nearest of the fp32 weights
             q, scale, minv = quantize_rtn(w, 4, 32)
             assert torch.equal(mod.q, q) and torch.equal(mod.scale, scale) and torch.equal(mod.minv, minv), name
-            checked += 1
+        else:  # where the K-quant rule takes it: gguf's own Q4_1 blocks of the fp32 weights, in the x16 layout
+            raw = quantize(np.ascontiguousarray(w.numpy()), GGMLQuantizationType.Q4_1)
+            assert torch.equal(mod.q, repack(raw, "Q4_1", tuple(w.shape)).q), name
+        checked += 1
     assert checked >= 3 * fp32.config.num_layers  # q/k/v, o, gate/up, down of every layer (+ the head)
     ids = torch.tensor([[1, 9, 42, 7, 300]])
     logits = [m.model(ids, m.model.new_cache(1, 16)).logits for m in (first, again)]

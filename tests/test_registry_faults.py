@@ -203,7 +203,6 @@ def gguf_home(tmp_path, monkeypatch):
 
 
 def test_conversion_on_a_full_disk_is_a_clear_error_and_leaves_no_folder(gguf_home, monkeypatch):
-    import safetensors.torch
     import torch
 
     from draftwise.errors import DraftwiseError
@@ -213,7 +212,7 @@ def test_conversion_on_a_full_disk_is_a_clear_error_and_leaves_no_folder(gguf_ho
         Path(filename).write_bytes(b"\0" * 100)  # part of it, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr(loading, "save_aligned", full)
     with pytest.raises(DraftwiseError, match=r"not enough disk space to convert tiny.gguf: .* needs about"):
         loading.load_gguf(gguf_home, torch.float32, progress=False)
     converted = registry.draftwise_home() / "converted"
@@ -229,14 +228,14 @@ def test_conversion_on_a_full_disk_is_a_clear_error_and_leaves_no_folder(gguf_ho
 CONVERT_KILLED = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    import safetensors.torch, torch
+    import torch
     from draftwise.models import loading
     loading._save_gguf_tokenizer = lambda p, dest: (dest / "tokenizer_config.json").write_text("{}")
     def stuck(sd, filename, *a, **kw):  # killed while writing the weights
         Path(filename).write_bytes(b"\\0" * 100)
         print("writing", flush=True)
         time.sleep(600)
-    safetensors.torch.save_file = stuck
+    loading.save_aligned = stuck
     loading.load_gguf(Path(sys.argv[1]), torch.float32, progress=False)
 """)
 
