@@ -14,6 +14,8 @@ length are never read again and are overwritten by the next forward. No tensor s
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -58,6 +60,18 @@ class ModelOutput:
 LogitsFor = Literal["all", "last"] | torch.Tensor  # or (B,) int64: one position per row
 
 
+def _reserved(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """An uninitialised tensor whose pages the OS commits as they are first written: on the CPU, its own
+    anonymous mapping (unmapped when the tensor goes). ``torch.empty`` gives that only while the allocator
+    maps large requests afresh; glibc serves them from its heap, pages already resident, once earlier frees
+    have raised its mmap threshold (up to 32 MB), as a long-running process's history does."""
+    n = math.prod(shape)
+    if torch.device(device).type != "cpu" or n == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, n * torch.empty(0, dtype=dtype).element_size())
+    return torch.frombuffer(buf, dtype=dtype, count=n).view(shape)  # the tensor holds the mapping
+
+
 class KVCache:
     """Preallocated key/value cache; a row per sequence slot, the valid length of a row is a pointer.
 
@@ -68,10 +82,10 @@ class KVCache:
     def __init__(self, num_layers: int, rows: int, num_kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_layers, rows, num_kv_heads, capacity, head_dim)
-        # torch.empty: memory the OS commits page by page as positions are first written, so a 64-token
-        # answer in a 4k-token row costs what it uses (entries past a row's length are never read)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # reserved memory the OS commits page by page as positions are first written, so a 64-token answer
+        # in a 4k-token row costs what it uses (entries past a row's length are never read)
+        self.k = _reserved(shape, dtype, device)
+        self.v = _reserved(shape, dtype, device)
         self.lengths = torch.zeros(rows, dtype=torch.long)
         self.capacity = capacity
 
