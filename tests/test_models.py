@@ -368,8 +368,8 @@ def _unfused_reference(path):
 @pytest.mark.parametrize("arch,qtypes", [("qwen2", MIXED), ("llama", MIXED), ("qwen2", ("Q8_0", "F16", "Q4_1"))])
 def test_gguf_is_read_in_place_fused_and_equals_the_unfused_model(tmp_path, monkeypatch, arch, qtypes):
     """With DRAFTWISE_KEEP_CONVERTED=0 a GGUF is the only copy on disk: its converted folder holds config,
-    tokenizer and tensor table, no weights; every load re-packs the blocks (fused runs written in place, llama's Q/K rows put back
-    in order), later loads never parse the GGUF's header again, the embedding stays quantized, and the
+    tokenizer and tensor table, no weights; every load re-packs the blocks (fused runs written in place,
+    llama's Q/K rows put back in order), later loads never parse the GGUF's header again, the embedding stays quantized, and the
     logits equal those of the model built from the unfused tensors by the numpy reference, bit for bit
     (also when a projection mixes dense F16 parts with quantized ones: those are concatenated whole). The
     untied token embedding is not re-packed at all: lookups read its rows from the file."""
