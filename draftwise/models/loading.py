@@ -562,24 +562,38 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep:
     return cfg, sd, out
 
 
-def _embedding_as_blocks(sd: dict[str, torch.Tensor], reader, cfg: ModelConfig) -> None:
-    """An untied token embedding kept as the GGUF's own blocks (``GGUFEmbedding``, as reading in place
-    does: its rows equal the de-quantized fp32 table's exactly) instead of that fp32 table, in an int8 /
-    int4 conversion (which quantizes projections, never the embedding): Qwen2.5-0.5B's Q5_0 table is
-    94 MB on disk instead of 545 MB. Lookups read only their rows either way."""
+EMBED = "model.embed_tokens.weight"
+
+
+def _file_embedding(qtype: str, shape, nbytes: int, cfg: ModelConfig) -> int | None:
+    """The ggml type id under which a token embedding of GGML type ``qtype`` stays in the GGUF's own blocks
+    (``GGUFEmbedding``: a lookup de-quantizes only its rows, equal to the fp32 table's), or None: tied to the
+    output head (which holds it as a code), or in a format the re-packer lacks."""
     from ..kernels.gguf_quant import repack_format
 
-    name = "model.embed_tokens.weight"
+    fmt = repack_format(qtype)
+    return None if fmt is None or cfg.tie_embeddings or nbytes % shape[0] else fmt[0]
+
+
+def _embedding_entries(raw: torch.Tensor, tid: int, dim: int) -> dict[str, torch.Tensor]:
+    """State-dict entries of an embedding kept in the GGUF's blocks: raw (V, bytes a row) of type ``tid``."""
+    return {EMBED + ".gguf": raw, EMBED + ".gguf_type": torch.tensor(tid), EMBED + ".gguf_dim": torch.tensor(dim)}
+
+
+def _embedding_as_blocks(sd: dict[str, torch.Tensor], reader, cfg: ModelConfig) -> None:
+    """An untied token embedding kept as the GGUF's own blocks (as reading in place does) instead of its
+    fp32 table, in an int8 / int4 conversion (which quantizes projections, never the embedding):
+    Qwen2.5-0.5B's Q5_0 table is 94 MB on disk instead of 545 MB. Lookups read only their rows either way."""
     t = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if cfg.tie_embeddings or t is None or name not in sd:
+    if t is None or EMBED not in sd:
         return
-    fmt = repack_format(t.tensor_type.name)
     V, D = (int(x) for x in reversed(t.shape))
-    if fmt is None or t.n_bytes % V:
+    tid = _file_embedding(t.tensor_type.name, (V, D), int(t.n_bytes), cfg)
+    if tid is None:
         return
-    del sd[name]
-    sd[name + ".gguf"] = torch.from_numpy(np.array(t.data).reshape(-1).view(np.uint8).reshape(V, -1))  # a copy
-    sd[name + ".gguf_type"], sd[name + ".gguf_dim"] = torch.tensor(fmt[0]), torch.tensor(D)
+    del sd[EMBED]
+    sd.update(_embedding_entries(torch.from_numpy(np.array(t.data).reshape(-1).view(np.uint8).reshape(V, -1)),  # a copy
+                                 tid, D))
 
 
 KEEP_MARGIN = 1 << 30  # a kept copy must leave this much of its disk free
@@ -632,16 +646,14 @@ def read_in_place(path: Path, cfg: ModelConfig, table: list[dict], progress: boo
     model's own. ``table``: the tensors' (name, type, shape, offset, nbytes), from the folder's LAYOUT_FILE."""
     import mmap
 
-    from ..kernels.gguf_quant import repack_format
-
     size = path.stat().st_size
     if any(e["offset"] + e["nbytes"] > size for e in table):
         raise ModelNotFoundError(f"{path}: the file is shorter than its tensor table says (truncated or changed?); "
                                  f"remove {converted_dir(path)} and load again")
     # an untied token embedding stays in the file: only the rows looked up are ever read
     emb = next((e for e in table if e["name"] == "token_embd.weight"), None)
-    emb_fmt = repack_format(emb["type"]) if emb is not None else None
-    lazy = emb_fmt is not None and not cfg.tie_embeddings and emb["nbytes"] % emb["shape"][0] == 0
+    emb_tid = _file_embedding(emb["type"], emb["shape"], emb["nbytes"], cfg) if emb is not None else None
+    lazy = emb_tid is not None
     entries = [e for e in table if not (lazy and e is emb)]
     page = mmap.PAGESIZE
     with open(path, "rb") as f:
@@ -659,9 +671,9 @@ def read_in_place(path: Path, cfg: ModelConfig, table: list[dict], progress: boo
         into, fused, runs = _fused_targets(table, cfg)
         sd = _state_dict(items, cfg, progress, keep_quantized=True, done=release, into=into)
         if lazy:
-            name, (V, D) = "model.embed_tokens.weight", emb["shape"]
-            sd[name + ".gguf"] = torch.from_numpy(buf[emb["offset"]:emb["offset"] + emb["nbytes"]]).view(V, -1)
-            sd[name + ".gguf_type"], sd[name + ".gguf_dim"] = torch.tensor(emb_fmt[0]), torch.tensor(D)
+            V, D = emb["shape"]
+            sd.update(_embedding_entries(torch.from_numpy(buf[emb["offset"]:emb["offset"] + emb["nbytes"]]).view(V, -1),
+                                         emb_tid, D))
     finally:
         items = None
         del buf

@@ -94,8 +94,8 @@ def deployment(spec: dict):
 def prepare_models(spec: dict) -> None:
     """Download and convert the models once, in this process, before replicas start: N replicas must not
     convert the same file at once. A converted copy of a GGUF is kept (the default, unless
-    ``DRAFTWISE_KEEP_CONVERTED=0`` or the disk lacks room) and each replica maps it, so the weight pages are shared between replicas on
-    one machine instead of re-packed into each replica's own memory."""
+    ``DRAFTWISE_KEEP_CONVERTED=0`` or the disk lacks room) and each replica maps it, so the weight pages are
+    shared between replicas on one machine instead of re-packed into each replica's own memory."""
     from ..api import uses_draft_model
     from ..models import default_draft_weights, load_model
 
