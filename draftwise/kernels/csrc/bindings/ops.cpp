@@ -274,10 +274,15 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   float* op = out.data_ptr<float>();
   const dw::IsaOps* ops = dw::active();
   const int threads = kernel_threads();
-  const int64_t hc = dw::attend_heads_per_group(B, T, nh, nkv, threads);  // heads per group
-  dw::parallel_for(B * T * nh / hc, 1, threads, [&](int64_t i0, int64_t i1) {  // groups: (row, token, hc heads)
-    std::vector<float> p(most * hc);
-    ops->attend_groups(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, hc, op, i0, i1, p.data(),
+  int64_t hc, tc;  // heads and tokens per group
+  dw::attend_split(B, T, nh, nkv, threads, &hc, &tc);
+  dw::parallel_for(dw::attend_groups_count(B, T, nh, hc, tc), 1, threads, [&](int64_t i0, int64_t i1) {
+    // groups: (row, tc tokens, hc heads); scratch kept per thread (a fresh 200 KB buffer per call was mapped
+    // and faulted in anew: 10-25 us of a 40 us call)
+    thread_local std::vector<float> p;
+    const size_t need = dw::attend_scratch(hc, tc, most);
+    if (p.size() < need) p.resize(need);
+    ops->attend_groups(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, hc, tc, op, i0, i1, p.data(),
                      tree ? vis.data_ptr<int64_t>() : nullptr, tree ? nvis.data_ptr<int64_t>() : nullptr);
   });
   return out;
@@ -311,8 +316,16 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const dw::IsaOps* ops = dw::active();
-  dw::parallel_for(M, rows_per_chunk(F), kernel_threads(), [&](int64_t m0, int64_t m1) {
-    ops->silu_mul(gp + m0 * 2 * F, m1 - m0, F, op + m0 * F);
+  // items of (row, 1024 columns), at least 16 to a chunk: one token's row stays on this thread, a pass of
+  // 8 tokens shares its 72 items evenly (row-wise chunks of 7 rows left one thread 7 of them); every element
+  // is computed the same way wherever it lies
+  constexpr int64_t C = 1024;
+  const int64_t per = (F + C - 1) / C;
+  dw::parallel_for(M * per, 16, kernel_threads(), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / per, j0 = (i % per) * C, n = std::min(C, F - j0);
+      ops->silu_mul(gp + m * 2 * F + j0, gp + m * 2 * F + F + j0, n, op + m * F + j0);
+    }
   });
   return out;
 }

@@ -65,13 +65,12 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t D, float eps, f
   }
 }
 
+void silu_mul_span(const float* a, const float* b, int64_t n, float* o) {
+  for (int64_t j = 0; j < n; ++j) o[j] = a[j] / (1.0f + dw_exp(-a[j])) * b[j];
+}
+
 void silu_mul(const float* gu, int64_t M, int64_t F, float* out) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* a = gu + m * 2 * F;
-    const float* b = a + F;
-    float* o = out + m * F;
-    for (int64_t j = 0; j < F; ++j) o[j] = a[j] / (1.0f + dw_exp(-a[j])) * b[j];
-  }
+  for (int64_t m = 0; m < M; ++m) silu_mul_span(gu + m * 2 * F, gu + m * 2 * F + F, F, out + m * F);
 }
 
 void rope_append(float* qkv, const float* cos, const float* sin, float* kc, float* vc, const int64_t* start,
@@ -128,21 +127,33 @@ void attend_items(const float* qkv, const float* kc, const float* vc, const int6
 }
 
 void attend_groups(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
-                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, float* out, int64_t i0, int64_t i1,
-                   float* p, const int64_t* vis, const int64_t* nvis) {
-  (void)nkv;
-  for (int64_t i = i0; i < i1; ++i)  // group i: items (b * T + t) * nh + head, heads i * hc .. (mod nh)
-    attend_items(qkv, kc, vc, start, B, T, nh, nkv, hd, cap, out, i * hc, (i + 1) * hc, p, vis, nvis);
+                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, int64_t tc, float* out, int64_t i0,
+                   int64_t i1, float* p, const int64_t* vis, const int64_t* nvis) {
+  const int64_t per = nh / hc, nt = (T + tc - 1) / tc;
+  for (int64_t i = i0; i < i1; ++i) {  // group i: items (b * T + t) * nh + head, tokens t0 .., heads h0 ..
+    const int64_t b = i / (nt * per), t0 = ((i / per) % nt) * tc, h0 = (i % per) * hc;
+    for (int64_t t = t0; t < t0 + tc && t < T; ++t) {
+      const int64_t item = (b * T + t) * nh + h0;
+      attend_items(qkv, kc, vc, start, B, T, nh, nkv, hd, cap, out, item, item + hc, p, vis, nvis);
+    }
+  }
 }
 
-int64_t attend_heads_per_group(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t threads) {
+void attend_split(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t threads, int64_t* hc_out, int64_t* tc_out) {
+  auto even = [&](int64_t groups) { return (groups >= threads && groups % threads == 0) || groups >= 4 * threads; };
   const int64_t g = nh / nkv;
-  for (int64_t hc = g; hc > 1; --hc) {
-    if (g % hc) continue;
-    const int64_t groups = B * T * nh / hc;
-    if ((groups >= threads && groups % threads == 0) || groups >= 4 * threads) return hc;
-  }
-  return 1;
+  int64_t hc = 1, tc = 1;
+  for (int64_t h = g; h > 1; --h)
+    if (g % h == 0 && even(attend_groups_count(B, T, nh, h, 1))) {
+      hc = h;
+      break;
+    }
+  for (int64_t nt = 1; nt < T; ++nt)  // nt chunks of equal length (the last one at most shorter)
+    if (even(attend_groups_count(B, T, nh, hc, (T + nt - 1) / nt))) {
+      tc = (T + nt - 1) / nt;
+      break;
+    }
+  *hc_out = hc, *tc_out = tc;
 }
 
 void dequantize_bf16_rows(const uint8_t* q, const float* scale, const float* minv, int64_t K, int64_t G,

@@ -74,10 +74,10 @@ struct IsaOps {
   // quantize_act (qmm_ref.cpp), silu_mul and attend_groups (layers.cpp), which the scalar path uses
   void (*quantize_act)(const float* x, int64_t M, int64_t K, int64_t G, int64_t bits, int8_t* q, float* lane,
                        int32_t* bias, float* gs);
-  void (*silu_mul)(const float* gu, int64_t M, int64_t F, float* out);
+  void (*silu_mul)(const float* gate, const float* up, int64_t n, float* out);  // n elements of one row
   void (*attend_groups)(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B,
-                        int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, float* out,
-                        int64_t i0, int64_t i1, float* scratch, const int64_t* vis, const int64_t* nvis);
+                        int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, int64_t tc,
+                        float* out, int64_t i0, int64_t i1, float* scratch, const int64_t* vis, const int64_t* nvis);
   // the K-quant rule (kquant.h) over tiles t0..t1 of 16 columns, and its activations (act_q8k's bits)
   void (*qmm_k)(const KqArgs& a, int64_t t0, int64_t t1);
   void (*act_k)(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32, uint8_t* e);
@@ -175,7 +175,8 @@ constexpr float kExpLn2Hi = 0.693359375f, kExpLn2Lo = 2.12194440e-4f;
 constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                                4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 void rms_norm(const float* x, const float* w, int64_t M, int64_t D, float eps, float* out);
-void silu_mul(const float* gu, int64_t M, int64_t F, float* out);  // the reference of IsaOps::silu_mul
+void silu_mul_span(const float* gate, const float* up, int64_t n, float* out);  // the reference of IsaOps::silu_mul
+void silu_mul(const float* gu, int64_t M, int64_t F, float* out);  // rows of [gate | up], F each
 void rope_append(float* qkv, const float* cos, const float* sin, float* kc, float* vc, const int64_t* start,
                  int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t cap);
 // attention of item i in [0, B * T * nh) (row b, token t, head h) over its start[b] + t + 1 keys (causal), or,
@@ -185,16 +186,22 @@ void rope_append(float* qkv, const float* cos, const float* sin, float* kc, floa
 void attend_items(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, float* out, int64_t i0, int64_t i1,
                   float* scratch /* >= max keys */, const int64_t* vis = nullptr, const int64_t* nvis = nullptr);
-// attend_items for the hc consecutive query heads of each group i in [i0, i1) of B * T * nh / hc (row b,
-// token t, heads (i % (nh / hc)) * hc ..): the unit the paths parallelize over, hc a divisor of nh / nkv so
-// that a group's heads share one KV head (the reference of IsaOps::attend_groups; attend_heads_per_group
-// picks hc). scratch: >= hc * max keys
+// attend_items for the hc consecutive query heads of tokens tk * tc .. tk * tc + tc - 1 (fewer in the last
+// chunk) of each group i in [i0, i1) of attend_groups_count (row b = i / (nt * nh / hc) with nt = ceil(T / tc),
+// token chunk tk = (i / (nh / hc)) % nt, heads (i % (nh / hc)) * hc ..): the unit the paths parallelize over,
+// hc a divisor of nh / nkv so that a group's queries share one KV head (the reference of
+// IsaOps::attend_groups; attend_split picks hc and tc). scratch: >= attend_scratch(hc, tc, max keys) floats
 void attend_groups(const float* qkv, const float* kc, const float* vc, const int64_t* start, int64_t B, int64_t T,
-                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, float* out, int64_t i0, int64_t i1,
-                   float* scratch, const int64_t* vis = nullptr, const int64_t* nvis = nullptr);
-// hc for attend_groups: the most heads per group (the fewest reads of each key block) that still gives
-// `threads` threads an even share of groups, or at least 4 groups each
-int64_t attend_heads_per_group(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t threads);
+                   int64_t nh, int64_t nkv, int64_t hd, int64_t cap, int64_t hc, int64_t tc, float* out, int64_t i0,
+                   int64_t i1, float* scratch, const int64_t* vis = nullptr, const int64_t* nvis = nullptr);
+inline int64_t attend_groups_count(int64_t B, int64_t T, int64_t nh, int64_t hc, int64_t tc) {
+  return B * ((T + tc - 1) / tc) * (nh / hc);
+}
+inline int64_t attend_scratch(int64_t hc, int64_t tc, int64_t keys) { return hc * tc * (keys + 2); }
+// hc and tc for attend_groups: the most heads per group, then the most tokens (the fewest reads of each key
+// block: a group's queries share them), that still give `threads` threads an even share of groups, or at
+// least 4 groups each
+void attend_split(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t threads, int64_t* hc, int64_t* tc);
 // (N, K) bf16 bits of w = scale * q - minv (rounded to nearest even), rows n0..n1
 void dequantize_bf16_rows(const uint8_t* q, const float* scale, const float* minv, int64_t K, int64_t G,
                           int64_t bits, uint16_t* out, int64_t n0, int64_t n1);

@@ -83,7 +83,7 @@ void ref_f32(const QmmArgs& a, int64_t n0, int64_t n1) {
 
 }  // namespace
 
-const IsaOps kScalar = {"scalar", ref_q8, ref_f32, quantize_act, silu_mul, attend_groups, kq_ref, act_q8k, act_q8b};
+const IsaOps kScalar = {"scalar", ref_q8, ref_f32, quantize_act, silu_mul_span, attend_groups, kq_ref, act_q8k, act_q8b};
 const IsaOps* scalar_ops() { return &kScalar; }
 
 float half_to_float(uint16_t h) {

@@ -114,11 +114,14 @@ int check_silu_mul(const char* const* names, int npaths) {
   for (int64_t j = 0; j < F; ++j) gu[j] = -110.0f + 220.0f * (float)j / (float)F;  // row 0 gates: the full range
   for (size_t j = 0; j < sizeof(special) / sizeof(float); ++j) gu[2 * F + j] = special[j];  // row 1 gates
   std::vector<float> ref(M * F), out(M * F);
-  dw::kScalar.silu_mul(gu.data(), M, F, ref.data());
+  dw::silu_mul(gu.data(), M, F, ref.data());
   int failures = 0;
   for (int p = 0; p < npaths; ++p) {
     std::fill(out.begin(), out.end(), -1.f);
-    dw::path_by_name(names[p])->silu_mul(gu.data(), M, F, out.data());
+    for (int64_t m = 0; m < M; ++m)  // a row in two spans, the first ending mid-vector
+      for (int64_t j0 : {(int64_t)0, (int64_t)517})
+        dw::path_by_name(names[p])->silu_mul(gu.data() + m * 2 * F + j0, gu.data() + m * 2 * F + F + j0,
+                                             j0 ? F - j0 : 517, out.data() + m * F + j0);
     for (int64_t j = 0; j < M * F; ++j)
       if (std::memcmp(&out[j], &ref[j], 4) && !(out[j] != out[j] && ref[j] != ref[j])) {
         std::printf("MISMATCH silu_mul on path %s: gate %g gives %g, reference %g\n", names[p],
@@ -137,7 +140,7 @@ int check_attention(const char* const* names, int npaths) {
   for (int64_t hd : {64, 128, 80}) {
     const int64_t B = 2, T = 4, nh = 6, nkv = 2, cap = 64, W = (nh + 2 * nkv) * hd;
     std::vector<float> qkv(B * T * W), kc(B * nkv * cap * hd), vc(kc.size()), ref(B * T * nh * hd), out(ref.size()),
-        p(cap * nh / nkv);
+        p(dw::attend_scratch(nh / nkv, T, cap));
     for (auto& v : qkv) v = next_f() * 2.0f;
     for (auto& v : kc) v = next_f() * 2.0f;
     for (auto& v : vc) v = next_f();
@@ -156,30 +159,40 @@ int check_attention(const char* const* names, int npaths) {
                        p.data(), vp, np);
       for (int q = 0; q < npaths; ++q) {
         const dw::IsaOps* ops = dw::path_by_name(names[q]);
-        for (int64_t hc : {nh / nkv, (int64_t)1}) {  // whole KV groups, single heads
-          std::fill(out.begin(), out.end(), -1.f);
-          // two calls, as threads would split the groups (odd split: a row's groups on both sides)
-          const int64_t groups = B * T * nh / hc;
-          ops->attend_groups(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, hc, out.data(), 0, 3, p.data(), vp, np);
-          ops->attend_groups(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, hc, out.data(), 3, groups,
-                             p.data(), vp, np);
-          if (std::memcmp(out.data(), ref.data(), ref.size() * 4)) {
-            std::printf("MISMATCH attention hd=%lld tree=%d heads/group=%lld on path %s\n", (long long)hd, tree,
-                        (long long)hc, names[q]);
-            ++failures;
+        // whole KV groups, single heads; one token, all four, chunks of three (the last one short)
+        for (int64_t hc : {nh / nkv, (int64_t)1})
+          for (int64_t tc : {(int64_t)1, T, (int64_t)3}) {
+            std::fill(out.begin(), out.end(), -1.f);
+            // two calls, as threads would split the groups (odd split: a row's groups on both sides)
+            const int64_t groups = dw::attend_groups_count(B, T, nh, hc, tc);
+            ops->attend_groups(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, hc, tc, out.data(), 0, 3,
+                               p.data(), vp, np);
+            ops->attend_groups(qkv.data(), kc.data(), vc.data(), start, B, T, nh, nkv, hd, cap, hc, tc, out.data(), 3,
+                               groups, p.data(), vp, np);
+            if (std::memcmp(out.data(), ref.data(), ref.size() * 4)) {
+              std::printf("MISMATCH attention hd=%lld tree=%d heads/group=%lld tokens/group=%lld on path %s\n",
+                          (long long)hd, tree, (long long)hc, (long long)tc, names[q]);
+              ++failures;
+            }
           }
-        }
       }
     }
   }
-  // heads per group: whole KV groups when they split evenly over the threads, else smaller ones
-  const int64_t want[][6] = {{1, 1, 12, 2, 2, 6}, {1, 4, 12, 2, 2, 6}, {1, 1, 9, 3, 2, 1}, {1, 1, 8, 1, 2, 4}, {2, 1, 14, 2, 2, 7}};
-  for (const auto& w : want)
-    if (dw::attend_heads_per_group(w[0], w[1], w[2], w[3], w[4]) != w[5]) {
-      std::printf("attend_heads_per_group(B=%lld, T=%lld, nh=%lld, nkv=%lld, threads=%lld) != %lld\n", (long long)w[0],
-                  (long long)w[1], (long long)w[2], (long long)w[3], (long long)w[4], (long long)w[5]);
+  // heads, then tokens per group: whole KV groups and all tokens when they split evenly over the threads, else
+  // smaller ones
+  const int64_t want[][7] = {{1, 1, 12, 2, 2, 6, 1}, {1, 4, 12, 2, 2, 6, 4}, {1, 1, 9, 3, 2, 1, 1},
+                             {1, 1, 8, 1, 2, 4, 1}, {2, 1, 14, 2, 2, 7, 1}, {1, 8, 12, 2, 16, 6, 1},
+                             {1, 8, 8, 1, 2, 8, 4}, {1, 5, 9, 3, 2, 3, 3}, {1, 8, 9, 3, 2, 3, 4}};
+  for (const auto& w : want) {
+    int64_t hc, tc;
+    dw::attend_split(w[0], w[1], w[2], w[3], w[4], &hc, &tc);
+    if (hc != w[5] || tc != w[6]) {
+      std::printf("attend_split(B=%lld, T=%lld, nh=%lld, nkv=%lld, threads=%lld) = (%lld, %lld), not (%lld, %lld)\n",
+                  (long long)w[0], (long long)w[1], (long long)w[2], (long long)w[3], (long long)w[4], (long long)hc,
+                  (long long)tc, (long long)w[5], (long long)w[6]);
       ++failures;
     }
+  }
   return failures;
 }
 

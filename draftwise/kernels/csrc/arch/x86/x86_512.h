@@ -146,7 +146,8 @@ inline void column_f32(const QmmArgs& a, int64_t n, int64_t m0) {
   }
 }
 
-#include "arch/x86/x86_act.inc"  // quantize_act_x86, silu_mul_x86, attend_groups_simd (256-bit)
+#define DW_ACT_512 1  // attention in zmm tiles (the same bits)
+#include "arch/x86/x86_act.inc"  // quantize_act_x86, silu_mul_x86 (256-bit), attend_groups_simd
 #define KQ_BITS 512
 #include "arch/x86/kquant_x86.inc"  // kq_qmm: the K-quant rule on these vectors
 #include "core/tiles.inc"  // for_blocks, qmm_q8, qmm_f32: the tiling every path shares
