@@ -15,7 +15,7 @@ import torch
 
 from .beam import beam_search
 from .decode import Decoder, FixedGamma, GammaPolicy
-from .costs import AUTO_COST_SIZES, PassCosts, prime  # noqa: F401  (AUTO_COST_SIZES: api users)
+from .costs import AUTO_COST_SIZES, PassCosts, model_identity, prime  # noqa: F401  (AUTO_COST_SIZES: api users)
 from .gamma import MAX_GAMMA, AdaptiveGamma, parse_gamma
 from .drafters import registry
 from .drafters.base import Drafter
@@ -177,7 +177,8 @@ class SpeculativeDecoder:
         self._heads: dict[str, object] = {}
         self._target_id: tuple[Path | str, str] | None = None  # _target_file()
         self._auto: dict[str, AdaptiveGamma] = {}  # per method: step costs are learned across requests
-        self.costs = PassCosts(self.target.model)  # this machine's measured pass costs (costs.py)
+        # this machine's measured pass costs (costs.py), kept on disk per weight file and machine
+        self.costs = PassCosts(self.target.model, lambda: model_identity(self.target) if backend == "native" else None)
         self._auto_arms: dict = {}  # method auto: each drafter's acceptance pooled over requests (a prior)
         self.suffix_cache = SuffixCache()  # method suffix: earlier requests' tokens, shared by its drafters
         self._draft: LoadedModel | None = draft if isinstance(draft, LoadedModel) else None
@@ -315,7 +316,16 @@ class SpeculativeDecoder:
         if self.backend != "native":
             return 0.0
         # a draft with another tokenizer feeds about 1.5 of its tokens per target token (cross_vocab)
-        return self.costs.draft_pass(self.draft.model) * (DRAFT_RATIO if self.bridge is not None else 1.0)
+        return self._draft_pass() * (DRAFT_RATIO if self.bridge is not None else 1.0)
+
+    def _draft_pass(self) -> float:
+        """Seconds of the draft model's one-token pass (``PassCosts.draft_pass``), kept on disk with its
+        head's vocabulary (a head cut to part of it is faster)."""
+        d = self.draft
+        ident = model_identity(d)
+        if ident is not None:
+            ident += f"|head {getattr(d.model.lm_head, 'extra_repr', lambda: '')()}"
+        return self.costs.draft_pass(d.model, ident)
 
     @property
     def _target_costs(self) -> dict[int, float]:  # the measured points (tests set them)
@@ -358,7 +368,7 @@ class SpeculativeDecoder:
         if m.name == LAYERSKIP:
             per_draft = self.layerskip_plan().draft_ratio * self.pass_cost(1)
         if m.draft_model:
-            per_draft = self.costs.draft_pass(self.draft.model)
+            per_draft = self._draft_pass()
         return prime(policy, self.costs, width=width, per_draft=per_draft,
                      text_drafts=m.draft_model and self.bridge is not None)
 

@@ -280,6 +280,50 @@ def test_measure_forward_costs(tiny_target):
     assert len(costs) == 5 and all(c > 0 for c in costs)
 
 
+def test_pass_costs_are_kept_per_model_and_machine(tiny_target, tmp_path, monkeypatch):
+    """A later process takes the measured pass costs from disk instead of measuring (``draftwise generate``
+    started 0.55 s later each time); another weight file, or the same one changed, is measured anew."""
+    from draftwise import costs as costs_mod
+    from draftwise.costs import PassCosts, model_identity
+    from draftwise.kernels import extension
+    from draftwise.models import LoadedModel
+
+    if extension() is None:
+        pytest.skip("costs are kept per kernel build: the kernel is not built here")
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
+    weights = tmp_path / "m.gguf"
+    weights.write_bytes(b"GGUF" + bytes(60))
+    loaded = LoadedModel(name=str(weights), model=tiny_target, tokenizer=None, load_s=0.0, weights="auto")
+    assert model_identity(loaded) is None  # a small file: timed in milliseconds, nothing kept
+    monkeypatch.setattr(costs_mod, "KEEP_MIN_BYTES", 0)
+    ident = model_identity(loaded)
+    assert ident is not None and str(weights.resolve()) in ident
+    first = PassCosts(tiny_target, lambda: ident)
+    first.measure([1, 3])
+    assert set(first.seconds) == {1, 3} and first.draft_pass(tiny_target, "d") > 0
+
+    calls = []
+    real = costs_mod.measure_forward_costs
+    monkeypatch.setattr(costs_mod, "measure_forward_costs", lambda *a, **k: calls.append(k) or real(*a, **k))
+    again = PassCosts(tiny_target, lambda: ident)
+    again.measure([1, 3])
+    assert again.seconds == first.seconds and again.draft_pass(tiny_target, "d") == first.draft_pass(tiny_target, "d")
+    assert calls == []
+    again.measure([2])  # a size not kept yet: measured, then kept beside the others
+    assert len(calls) == 1 and PassCosts(tiny_target, lambda: ident)._store().read().keys() >= {"pass1", "pass2", "pass3"}
+
+    weights.write_bytes(b"GGUF" + bytes(61))  # the file changed: its costs are its own
+    assert model_identity(loaded) != ident
+    PassCosts(tiny_target, lambda: model_identity(loaded)).measure([1])
+    assert len(calls) == 2
+    kept = sorted((tmp_path / "home" / "kernels").glob("costs-*.json"))
+    assert len(kept) == 2  # one file per identity
+    anonymous = PassCosts(tiny_target, lambda: None)  # a model built in memory: measured in every process
+    anonymous.measure([1])
+    PassCosts(tiny_target, lambda: None).measure([1])
+    assert len(calls) == 4 and sorted((tmp_path / "home" / "kernels").glob("costs-*.json")) == kept
+
+
 # ---- token trees through the one loop ---------------------------------------------------------------
 def tree_drafters(tiny_draft, rows=1, branches=3):
     return [DraftModelDrafter(tiny_draft, rows, CAP, branches=branches), PromptLookupDrafter(branches=branches),
