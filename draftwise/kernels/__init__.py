@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import os
 import platform
 import re
 import threading
@@ -444,10 +445,17 @@ def _machine_cache(ext, kind: str, *extra: str) -> tuple[Path, str]:
 
 
 def _save_cache(path: Path, record: dict) -> None:
+    """Write ``record`` as JSON to ``path`` whole or not at all (a temporary file renamed into place): two
+    processes writing at once leave one complete record, never a torn one."""
     import json
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _cpu_model() -> str:
