@@ -277,12 +277,17 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   int64_t hc, tc;  // heads and tokens per group
   dw::attend_split(B, T, nh, nkv, threads, &hc, &tc);
   dw::parallel_for(dw::attend_groups_count(B, T, nh, hc, tc), 1, threads, [&](int64_t i0, int64_t i1) {
-    // groups: (row, tc tokens, hc heads); scratch kept per thread (a fresh 200 KB buffer per call was mapped
-    // and faulted in anew: 10-25 us of a 40 us call)
-    thread_local std::vector<float> p;
+    // groups: (row, tc tokens, hc heads); scratch kept per thread up to 4 MB (a fresh 200 KB buffer per
+    // call was mapped and faulted in anew: 10-25 us of a 40 us call), larger ones (long contexts) per call
+    // so that no thread holds tens of MB after one long request
+    constexpr size_t kKeep = size_t(1) << 20;  // floats
+    thread_local std::vector<float> kept;
+    std::vector<float> own;
     const size_t need = dw::attend_scratch(hc, tc, most);
-    if (p.size() < need) p.resize(need);
-    ops->attend_groups(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, hc, tc, op, i0, i1, p.data(),
+    if (need <= kKeep && kept.size() < need) kept.resize(need);
+    if (need > kKeep) own.resize(need);
+    float* p = need <= kKeep ? kept.data() : own.data();
+    ops->attend_groups(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, hc, tc, op, i0, i1, p,
                      tree ? vis.data_ptr<int64_t>() : nullptr, tree ? nvis.data_ptr<int64_t>() : nullptr);
   });
   return out;
