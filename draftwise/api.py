@@ -322,10 +322,12 @@ class SpeculativeDecoder:
         """Seconds of the draft model's one-token pass (``PassCosts.draft_pass``), kept on disk with its
         head's vocabulary (a head cut to part of it is faster)."""
         d = self.draft
-        ident = model_identity(d)
-        if ident is not None:
-            ident += f"|head {getattr(d.model.lm_head, 'extra_repr', lambda: '')()}"
-        return self.costs.draft_pass(d.model, ident)
+
+        def identity() -> str | None:
+            ident = model_identity(d)
+            return None if ident is None else ident + f"|head {getattr(d.model.lm_head, 'extra_repr', lambda: '')()}"
+
+        return self.costs.draft_pass(d.model, identity)
 
     @property
     def _target_costs(self) -> dict[int, float]:  # the measured points (tests set them)

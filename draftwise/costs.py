@@ -122,12 +122,13 @@ class PassCosts:
                 return max(c0 + (c1 - c0) * (tokens - t0) / (t1 - t0), pts[0][1])
         return pts[0][1]
 
-    def draft_pass(self, draft_model, identity: str | None = None) -> float:
-        """Seconds of one single-token pass of ``draft_model`` (measured once; kept on disk under its
-        ``identity`` when given, beside the target's points)."""
+    def draft_pass(self, draft_model, identity=None) -> float:
+        """Seconds of one single-token pass of ``draft_model`` (measured once; kept on disk beside the target's
+        points under ``identity()``, called when first needed, when it gives one)."""
         key = id(draft_model)
         if key not in self._draft:
-            name = f"draft:{identity}" if identity is not None else None
+            ident = identity() if identity is not None else None
+            name = f"draft:{ident}" if ident is not None else None
             kept = self._store().read() if name is not None else {}
             if name in kept:
                 self._draft[key] = kept[name]

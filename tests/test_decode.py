@@ -300,14 +300,14 @@ def test_pass_costs_are_kept_per_model_and_machine(tiny_target, tmp_path, monkey
     assert ident is not None and str(weights.resolve()) in ident
     first = PassCosts(tiny_target, lambda: ident)
     first.measure([1, 3])
-    assert set(first.seconds) == {1, 3} and first.draft_pass(tiny_target, "d") > 0
+    assert set(first.seconds) == {1, 3} and first.draft_pass(tiny_target, lambda: "d") > 0
 
     calls = []
     real = costs_mod.measure_forward_costs
     monkeypatch.setattr(costs_mod, "measure_forward_costs", lambda *a, **k: calls.append(k) or real(*a, **k))
     again = PassCosts(tiny_target, lambda: ident)
     again.measure([1, 3])
-    assert again.seconds == first.seconds and again.draft_pass(tiny_target, "d") == first.draft_pass(tiny_target, "d")
+    assert again.seconds == first.seconds and again.draft_pass(tiny_target, lambda: "d") == first.draft_pass(tiny_target, lambda: "d")
     assert calls == []
     again.measure([2])  # a size not kept yet: measured, then kept beside the others
     assert len(calls) == 1 and PassCosts(tiny_target, lambda: ident)._store().read().keys() >= {"pass1", "pass2", "pass3"}

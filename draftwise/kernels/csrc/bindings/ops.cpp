@@ -284,10 +284,9 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
     thread_local std::vector<float> kept;
     std::vector<float> own;
     const size_t need = dw::attend_scratch(hc, tc, most);
-    if (need <= kKeep && kept.size() < need) kept.resize(need);
-    if (need > kKeep) own.resize(need);
-    float* p = need <= kKeep ? kept.data() : own.data();
-    ops->attend_groups(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, hc, tc, op, i0, i1, p,
+    std::vector<float>& p = need <= kKeep ? kept : own;
+    if (p.size() < need) p.resize(need);
+    ops->attend_groups(qp, kc, vc, start.data(), B, T, nh, nkv, hd, cap, hc, tc, op, i0, i1, p.data(),
                      tree ? vis.data_ptr<int64_t>() : nullptr, tree ? nvis.data_ptr<int64_t>() : nullptr);
   });
   return out;

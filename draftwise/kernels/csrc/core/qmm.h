@@ -197,7 +197,7 @@ void attend_groups(const float* qkv, const float* kc, const float* vc, const int
 inline int64_t attend_groups_count(int64_t B, int64_t T, int64_t nh, int64_t hc, int64_t tc) {
   return B * ((T + tc - 1) / tc) * (nh / hc);
 }
-inline int64_t attend_scratch(int64_t hc, int64_t tc, int64_t keys) { return hc * tc * (keys + 2); }
+inline int64_t attend_scratch(int64_t hc, int64_t tc, int64_t keys) { return hc * tc * (keys + 1); }  // scores, 1 / sums
 // hc and tc for attend_groups: the most heads per group, then the most tokens (the fewest reads of each key
 // block: a group's queries share them), that still give `threads` threads an even share of groups, or at
 // least 4 groups each
