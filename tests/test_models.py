@@ -3,6 +3,8 @@ tree masks, GGUF de-quantization and layout, HF folder loading, and the HF adapt
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -835,3 +837,62 @@ def test_packed_rows_equal_the_padded_pass(kernels, tree):
             m.forward(x, cache, logits_for="all", lengths=bad)
     with pytest.raises(ValueError, match="lengths"):
         m.forward(x, cache, logits_for="last", lengths=lengths)
+
+
+@pytest.mark.parametrize("qtypes", [MIXED, ("Q4_1", "Q4_0", "Q8_0", "Q4_0", "Q4_1", "Q5_0")])
+def test_fused_stack_gives_the_module_loop_bits(tmp_path, monkeypatch, qtypes):
+    """A K-quant model's short forwards run its decoder layers in one compiled call (``Stack``): logits, taps
+    and cache are the module loop's bit for bit — one token, a verification pass of several rows with ragged
+    prefixes, a token tree, a subset of the layers (layer skipping), inner layers' outputs (EAGLE-3) — and the plan follows the weights: a
+    projection replaced, or the model converted, rebuilds it. A model with a dense projection keeps the loop."""
+    from draftwise.kernels import extension
+    from draftwise.models import load_model
+    from draftwise.models.transformer import Concat
+
+    if extension() is None:
+        pytest.skip("the kernel is not built here")
+    cfg, path = _mixed_gguf(tmp_path, monkeypatch, "qwen2", qtypes)
+    m = load_model(str(path), "gguf", progress=False).model
+    assert m._stack() is not None and m._stack().layers == cfg.num_layers
+    assert isinstance(m.layers[0].attn.qkv, Concat) or qtypes != MIXED  # parts concatenated, biases per part
+    g = torch.Generator().manual_seed(2)
+    V = cfg.vocab_size
+    ctx = [torch.randint(0, V, (n,), generator=g).tolist() for n in (7, 3)]
+    x = torch.randint(0, V, (2, 5), generator=g)
+    mask = torch.tril(torch.ones(2, 5, 5, dtype=torch.bool))
+    mask[0, 3:, 1:3] = False  # row 0: two branches off the root
+
+    def run(fused: bool, **kw):
+        m.fused_layers = fused
+        cache = m.new_cache(2, 32)
+        for b, p in enumerate(ctx):
+            m.forward(torch.tensor([p]), cache.view(slice(b, b + 1)), logits_for="last")
+        outs = [m.forward(x[:, :1], cache, logits_for="all", **kw)]
+        outs.append(m.forward(x, cache, logits_for="all", **kw))
+        cache.set_lengths([len(p) + 1 for p in ctx])
+        outs.append(m.forward(x, cache, attn_mask=mask, **kw))
+        return [t for o in outs for t in (o.logits, o.taps) if t is not None], cache
+
+    for kw in ({}, {"layers": (0,)}, {"taps": (0, 1)}):  # all layers, one of them, inner layers' outputs too
+        (fused, cf), (loop, cl) = run(True, **kw), run(False, **kw)
+        for a, b in zip(fused, loop):
+            assert torch.equal(a, b)
+        assert torch.equal(cf.k[:, :, :, :13], cl.k[:, :, :, :13]) and torch.equal(cf.v[:, :, :, :13], cl.v[:, :, :, :13])
+    m.fused_layers = True
+    before = m._stack()
+    down = m.layers[1].mlp.down
+    m.layers[1].mlp.down = type(down)(down.q.clone(), down.scale, down.minv, down.group, down.bits)
+    m.layers[1].mlp.down.q.zero_()  # a different weight: the rebuilt plan must read it
+    assert m._stack() is not before
+    (fused, _), (loop, _) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, loop))
+    m.fused_layers = True
+    twin = copy.deepcopy(m)  # a copy builds its own plan over its own weights
+    assert twin._stack() is not None and twin._stack() is not m._stack()
+    a, b = m.new_cache(1, 8), twin.new_cache(1, 8)
+    assert torch.equal(m.forward(x[:1], a).logits, twin.forward(x[:1], b).logits)
+    plan = m._stack()
+    m.float()  # a conversion may swap every tensor
+    assert m._stack() is not plan
+    m.layers[0].mlp.down = nn.Linear(down.in_features, down.out_features, bias=False)  # dense: the loop
+    assert m._stack() is None

@@ -596,7 +596,29 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, 
     return w.view(N, K)
 
 
-class QLinear(nn.Module):
+_weights_epoch = 0  # bumped whenever a watched module's attribute is assigned (a weight, a sub-module replaced)
+
+
+def weights_epoch() -> int:
+    """A counter that changes whenever a ``WatchedModule``'s attribute is assigned or a model's tensors are
+    converted: what a compiled plan over a model's weights (the transformer's ``Stack``) is keyed on."""
+    return _weights_epoch
+
+
+def bump_weights_epoch() -> None:
+    global _weights_epoch
+    _weights_epoch += 1
+
+
+class WatchedModule(nn.Module):
+    """An ``nn.Module`` whose attribute assignments (weights, sub-modules) bump ``weights_epoch``."""
+
+    def __setattr__(self, name: str, value) -> None:
+        bump_weights_epoch()
+        super().__setattr__(name, value)
+
+
+class QLinear(WatchedModule):
     """y = x @ W^T (+ b) with W held as (q, scale, minv) groups (csrc/core/qmm.h), or, for ``bits`` in ``KQ_BITS``,
     as the GGUF's own Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks interleaved by 16 columns
     (csrc/core/kquant.h; ``scale`` is then (N, 0))."""

@@ -9,6 +9,10 @@ Linear layers run the kernel (kernels/csrc), whose rule computes each row the sa
 and on every instruction set; attention is made invariant by computing short forwards (decode,
 verification: T <= EXACT_MAX_T) one query row at a time over exactly the keys it sees, i.e. the same call
 plain decoding makes. Long prefills take one batched SDPA call per sequence.
+
+Short forwards of a model whose projections are all K-quant tensors run the decoder layers in one compiled
+call (``Transformer._stack``: kernels/csrc/bindings/stack.cpp), which makes the modules' kernel calls in
+their order; the modules stay the reference it is tested against, and the path for every other model.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import bulk, extension, parallel_torch, serial_torch
+from ..kernels import WatchedModule, bulk, extension, parallel_torch, serial_torch
 from .base import MAX_TREE_TOKENS, KVCache, LogitsFor, ModelConfig, ModelOutput
 
 EXACT_MAX_T = MAX_TREE_TOKENS  # forwards of at most this many new tokens use the row-by-row (invariant) attention
@@ -45,7 +49,7 @@ class Linear(nn.Linear):
             super().reset_parameters()
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(WatchedModule):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -89,7 +93,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
 
-class Attention(nn.Module):
+class Attention(WatchedModule):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -214,7 +218,7 @@ class TreeMask:
 MLP_ROWS = 256
 
 
-class MLP(nn.Module):
+class MLP(WatchedModule):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ffn = cfg.intermediate_size
@@ -238,7 +242,7 @@ class MLP(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-class Block(nn.Module):
+class Block(WatchedModule):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
@@ -247,7 +251,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
 
-class Transformer(nn.Module):
+class Transformer(WatchedModule):
     supports_trees = True  # forward takes a tree attn_mask; its nodes get the bits decoding their paths gives
     supports_taps = True  # forward(taps=...) returns inner layers' outputs (an EAGLE-3 head's features)
     supports_lengths = True  # forward(lengths=...) runs only each row's real tokens through the matmuls
@@ -265,6 +269,17 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.requires_grad_(False)
+        self.fused_layers = True  # short forwards through the compiled Stack where the layers allow (_stack)
+        self._stack_plan, self._stack_epoch = None, -1
+
+    def __setattr__(self, name: str, value) -> None:
+        if name.startswith("_stack_"):  # the plan itself is not a weight
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __getstate__(self) -> dict:  # a copy (copy.deepcopy) builds its own plan over its own weights
+        return {**self.__dict__, "_stack_plan": None, "_stack_epoch": -1}
 
     @property
     def device(self) -> torch.device:
@@ -317,13 +332,16 @@ class Transformer(nn.Module):
         if packed is not None:
             h = packed.pack(h)  # (N, D): the real tokens only, up to the LM head
         tapped: dict[int, torch.Tensor] = {}
-        with bulk(T > EXACT_MAX_T):  # a long prefill: GEMM path (never compared token for token)
-            for i in range(len(self.layers)) if layers is None else layers:
-                layer = self.layers[i]
-                h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree, packed)
-                h = h + layer.mlp(layer.mlp_norm(h))
-                if i in taps:
-                    tapped[i] = h
+        stack = self._stack() if T <= EXACT_MAX_T and packed is None and h.dtype == torch.float32 \
+            and cache.k.dtype == torch.float32 else None
+        if stack is not None:  # the same kernels in one call (kernels/csrc/bindings/stack.cpp)
+            vis, nvis = (tree.vis, tree.nvis) if tree is not None else (_NONE, _NONE)
+            ids = list(range(len(self.layers)) if layers is None else layers)
+            h, outs = stack.run(h, cos.contiguous(), sin.contiguous(), cache.k, cache.v, start, vis, nvis, ids,
+                                list(taps))
+            tapped.update(zip([i for i in ids if i in taps], outs))
+        else:
+            h = self._layers(h, cos, sin, cache, start, tree, packed, T, layers, taps, tapped)
         cache.lengths[:B] += T
         if packed is not None:
             h = self.norm(h)  # (N, D)
@@ -340,7 +358,80 @@ class Transformer(nn.Module):
         return ModelOutput(logits=self.lm_head(h).float(), hidden=h if every is None else every, taps=tap)
 
 
-class Concat(nn.Module):
+    def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: list[int],
+                tree: "TreeMask | None", packed: "Packing | None", T: int, layers: tuple[int, ...] | None,
+                taps: tuple[int, ...], tapped: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The decoder layers module by module (the reference the fused ``Stack`` computes the bits of)."""
+        with bulk(T > EXACT_MAX_T):  # a long prefill: GEMM path (never compared token for token)
+            for i in range(len(self.layers)) if layers is None else layers:
+                layer = self.layers[i]
+                h = h + layer.attn(layer.attn_norm(h), cos, sin, cache.k[i], cache.v[i], start, tree, packed)
+                h = h + layer.mlp(layer.mlp_norm(h))
+                if i in taps:
+                    tapped[i] = h
+        return h
+
+    def _stack(self):
+        """The compiled ``Stack`` of this model's decoder layers (kernels/csrc/bindings/stack.cpp), built at the
+        first short forward, or None where a layer is not all K-quant projections and fp32 norms (dense or
+        other codes, torch's ops) or ``fused_layers`` is off. A short forward of the Python loop costs ~60 us a
+        layer in interpreter and dispatch (1.4 ms of the 0.5B draft's ~10 ms token); the Stack calls the same
+        kernels in the same order, so the bits are the same. Rebuilt when a weight is replaced (``_apply``,
+        ``__setattr__`` of the modules it reads: ``kernels.weights_epoch``)."""
+        from ..kernels import weights_epoch
+
+        if not self.fused_layers:
+            return None
+        epoch = weights_epoch()
+        if self._stack_epoch != epoch:
+            self._stack_plan, self._stack_epoch = _build_stack(self), epoch
+        return self._stack_plan
+
+    def _apply(self, fn, recurse=True):  # .to(), .float(), ...: the weights may be new tensors
+        from ..kernels import bump_weights_epoch
+
+        bump_weights_epoch()
+        return super()._apply(fn, recurse)
+
+
+_EMPTY_F32 = torch.empty(0)
+
+
+def _build_stack(model: Transformer):
+    """``kernels.extension().Stack`` over ``model``'s decoder layers, or None where one is not all K-quant
+    projections (``QLinear`` of a ``KQ_BITS`` format, alone or in a ``Concat``) with fp32 norms and biases."""
+    from ..kernels import KQ_BITS, QLinear
+
+    ext = extension()
+    if ext is None or not hasattr(ext, "Stack"):
+        return None
+
+    def parts(m: nn.Module) -> list | None:
+        out = []
+        for p in m.parts if isinstance(m, Concat) else [m]:
+            if not isinstance(p, QLinear) or p.bits not in KQ_BITS:
+                return None
+            bias = p._parameters.get("bias")
+            if bias is not None and bias.dtype != torch.float32:
+                return None
+            out.append((p.q.view(-1), p.bits, p.out_features, _EMPTY_F32 if bias is None else bias.contiguous()))
+        return out
+
+    eps = model.layers[0].attn_norm.eps if len(model.layers) else 0.0
+    spec = []
+    for layer in model.layers:
+        norms = (layer.attn_norm, layer.mlp_norm)
+        if any(not isinstance(n, RMSNorm) or n.weight.dtype != torch.float32 or n.eps != eps for n in norms):
+            return None
+        projs = [parts(m) for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
+        if any(p is None for p in projs):
+            return None
+        spec.append((layer.attn_norm.weight.contiguous(), projs[0], projs[1], layer.mlp_norm.weight.contiguous(),
+                     projs[2], projs[3]))
+    return ext.Stack(spec, model.config.num_heads, model.config.num_kv_heads, float(eps)) if spec else None
+
+
+class Concat(WatchedModule):
     """Several linear layers over the same input whose outputs are concatenated (a fused projection
     whose parts could not be merged into one matrix, e.g. differently quantized q/k/v)."""
 

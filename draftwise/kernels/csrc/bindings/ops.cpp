@@ -381,7 +381,10 @@ py::tuple amx_verify(const std::string& mode) {
   return py::make_tuple(ok, why);
 }
 
+void bind_stack(py::module_& m);  // stack.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_stack(m);
   m.def("qmm", &qmm, "weight-only quantized matmul (CPU), the rule of qmm.h on the active path");
   m.def("qmm_kq", &qmm_kq, "the K-quant rule (kquant.h): x @ W^T for Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q8_0 weights in the x16 layout");
   m.def("kq_pack", &kq_pack, "GGUF Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q8_0 rows -> the x16 layout");
