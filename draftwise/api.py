@@ -91,8 +91,10 @@ class ModelSpec:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
     def for_method(self, method: str) -> "ModelSpec":
-        """The spec that ``method`` needs: without the draft model unless the method drafts with it."""
-        return self if uses_draft_model(method) or self.draft is None else replace(self, draft=None)
+        """The spec that ``method`` needs: without the draft model unless the method drafts with it (method
+        auto may: ``SpeculativeDecoder.auto_takes_draft``)."""
+        keep = uses_draft_model(method) or method == "auto"
+        return self if keep or self.draft is None else replace(self, draft=None)
 
 
 def build_decoder(spec: ModelSpec, *, method: str | None = None, progress: bool = True) -> "SpeculativeDecoder":
@@ -157,6 +159,33 @@ def draft_head_tokens(d: LoadedModel, option: int | str | None) -> int | None:
     return keep if keep < vocab else None
 
 
+def _weights_bytes(ref: str | LoadedModel) -> int | None:
+    """Bytes of a loaded model's weights in memory, or of a model's weight files when they are already on
+    this machine (a file, a folder's safetensors, a named model fetched and verified); else None — nothing
+    is downloaded."""
+    from .models.registry import MODELS, draftwise_home, trusted
+
+    if isinstance(ref, LoadedModel):
+        model = ref.model
+        return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) \
+            if isinstance(model, torch.nn.Module) else None
+    if not isinstance(ref, str):
+        return None
+    try:
+        p = Path(ref).expanduser()
+        if p.is_file():
+            return p.stat().st_size
+        if p.is_dir():
+            return sum(f.stat().st_size for f in p.glob("*.safetensors")) or None
+        named = MODELS.get(ref)
+        if named is not None:
+            dest = draftwise_home() / "models" / named.filename
+            return named.size if trusted(named, dest) else None
+    except OSError:
+        return None
+    return None
+
+
 class SpeculativeDecoder:
     """A target model plus whatever the methods need (a draft model is loaded lazily when asked for)."""
 
@@ -180,6 +209,7 @@ class SpeculativeDecoder:
         # this machine's measured pass costs (costs.py), kept on disk per weight file and machine
         self.costs = PassCosts(self.target.model, lambda: model_identity(self.target) if backend == "native" else None)
         self._auto_arms: dict = {}  # method auto: each drafter's acceptance pooled over requests (a prior)
+        self.auto_start_costs: dict[str, float] = {}  # method auto: a draft model's start, s per context token
         self.suffix_cache = SuffixCache()  # method suffix: earlier requests' tokens, shared by its drafters
         self._draft: LoadedModel | None = draft if isinstance(draft, LoadedModel) else None
         self._bridge: VocabBridge | None = None  # a draft with another tokenizer (drafters/cross_vocab.py)
@@ -310,6 +340,26 @@ class SpeculativeDecoder:
             return 1
         flat = self.pass_cost(1 + 2 * TREE_WIDTH) <= HEAD_TREE_COST * self.pass_cost(1)
         return TREE_WIDTH if flat else 1
+
+    def auto_takes_draft(self) -> bool:
+        """Whether method ``auto`` drafts with the draft model too when not told which drafters to use: a
+        native target, a draft model with the target's tokenizer that is already on this machine (auto never
+        downloads one) and smaller than the target (whether it pays is the cost model's call, per step).
+        Loads the draft model when it qualifies (its cost per token prices it)."""
+        if self.backend != "native" or self._draft_ref is None or self.is_encoder_decoder:
+            return False
+        mine, theirs = _weights_bytes(self._draft_ref), _weights_bytes(self.target.name)  # the files
+        if (mine is None or theirs is None) and self._draft is not None:  # models given: their memory
+            mine, theirs = _weights_bytes(self._draft), _weights_bytes(self.target)
+        if mine is None or theirs is None or mine >= theirs:
+            return False
+        return self.bridge is None
+
+    def draft_start_cost(self) -> float:
+        """Seconds per context token of starting the draft model on a request (its prefill), before one was
+        timed: its one-token pass scaled by how much cheaper a token is in the target's 9-token pass than
+        alone (a prompt's tokens are cheaper still: an upper estimate). Method auto times real starts."""
+        return self.per_draft_cost("draft") * self.pass_cost(9) / (9 * self.pass_cost(1))
 
     def per_draft_cost(self, method: str) -> float:
         """Seconds per token the draft model drafts for ``method`` (measured once per process)."""

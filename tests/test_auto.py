@@ -181,3 +181,72 @@ def test_api_auto_method(hf_folder):
     with pytest.raises(InvalidParameterError):
         dw.generate("hi", params, method="auto", gamma=AdaptiveGamma(4))
     assert dw.pass_cost(1) > 0 and dw.pass_cost(20) >= dw.pass_cost(1)
+
+
+def test_a_draft_models_start_is_priced_and_timed(tiny_target, tiny_draft):
+    """A costly child's first use prefills the context: auto charges that start spread over the row's remaining
+    tokens, so a start that cannot pay back is not made (nothing drafted, the draft model never started) and
+    one that can is; each start is timed and prices the next (the caller's dict, shared across requests)."""
+    params = SamplingParams(max_tokens=30)
+    ref = run(tiny_target, None, [PROMPTS[0]], params)[0]
+
+    def auto(per_token: float) -> AutoDrafter:
+        return AutoDrafter({"draft": DraftModelDrafter(tiny_draft, 1, CAP)}, flat, draft_cost={"draft": 0.01},
+                           start_cost={"draft": per_token}, priors={"draft": 0.9})
+
+    dear = auto(1e3)  # seconds per context token: never pays back
+    s = run(tiny_target, dear, [PROMPTS[0]], params, gamma=4)[0]
+    assert s.output_ids == ref.output_ids and dear.chosen["draft"] == 0 and s.stats.drafted == 0
+    cheap = auto(1e-6)
+    s = run(tiny_target, cheap, [PROMPTS[0]], params, gamma=4)[0]
+    assert s.output_ids == ref.output_ids and cheap.chosen["draft"] > 0
+    assert 0 < cheap.start_cost["draft"] < 1.0  # the timed start replaced the estimate
+    # the rule itself: the start (10 s) against what drafting saves over the tokens left to write
+    st = AutoDrafter({"draft": DraftModelDrafter(tiny_draft, 1, CAP)}, flat, draft_cost={"draft": 0.1},
+                     priors={"draft": 0.9})
+    state = type("S", (), {"arms": {"draft": st._prior("draft")}, "proposals": {}})()
+    assert st._choose(state, 4, start={"draft": 10.0}, remaining=4)[0] == NONE
+    assert st._choose(state, 4, start={"draft": 10.0}, remaining=1000)[0] == "draft"
+    assert st._choose(state, 4, start={"draft": 0.0}, remaining=4)[0] == "draft"  # started: no start to pay
+
+
+def test_auto_takes_a_smaller_draft_model_of_the_target_tokenizer(hf_folder, hf_folder_other_vocab, tmp_path):
+    """By default auto also chooses the draft model when there is one of the target's tokenizer, smaller than
+    the target and already on the machine; not one as big as the target, one of another tokenizer, or in the
+    server (a batch prices it out, and its cache is not in the KV budget). Output: ``ar``'s either way."""
+    from draftwise import SpeculativeDecoder
+    from draftwise.api import ModelSpec
+    from tests.conftest import make_hf_folder
+
+    small = make_hf_folder(tmp_path / "small", num_layers=1)
+    dw = SpeculativeDecoder(str(hf_folder), draft=str(small), progress=False)
+    assert dw.auto_takes_draft()
+    assert "draft" in dw.make_drafter("auto", 1, 64).children
+    assert "draft" not in dw.make_drafter("auto", 1, 64, draft_model=False).children  # the server's
+    assert 0 < dw.auto_start_costs["draft"] < 1.0  # estimated from the draft's measured pass
+    params = SamplingParams(max_tokens=24)
+    ref = dw.generate("hello hello hello", params, method="ar")
+    assert dw.generate("hello hello hello", params, method="auto").token_ids == ref.token_ids
+    spec = ModelSpec(str(hf_folder), str(small))
+    assert spec.for_method("auto").draft == str(small) and spec.for_method("pld").draft is None
+    for draft in (str(hf_folder), str(hf_folder_other_vocab), None):  # as big / another tokenizer / none
+        assert not SpeculativeDecoder(str(hf_folder), draft=draft, progress=False).auto_takes_draft()
+
+
+def test_auto_never_downloads_a_draft_model(hf_folder, tmp_path, monkeypatch):
+    """A named draft model not yet fetched is left out of auto (no download starts); fetched, it is sized."""
+    from draftwise import SpeculativeDecoder
+    from draftwise.api import _weights_bytes
+    from draftwise.models import registry
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
+
+    def no_download(*a, **k):
+        raise AssertionError("auto started a download")
+
+    monkeypatch.setattr(registry, "fetch_named", no_download)
+    name = "qwen2.5-coder-0.5b-instruct"
+    assert _weights_bytes(name) is None
+    assert not SpeculativeDecoder(str(hf_folder), draft=name, progress=False).auto_takes_draft()
+    monkeypatch.setattr(registry, "trusted", lambda model, dest: True)  # as if fetched and verified
+    assert _weights_bytes(name) == registry.MODELS[name].size

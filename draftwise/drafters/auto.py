@@ -23,7 +23,15 @@ to yield and the tokens it feeds with the choices made so far (each row counted 
     rate(o) = (done + A_o(j)) / (C(fed + n_o) + j · c_child)        A(j) = Σ_{l=1..j} α^l
     rate(none) = done / C(fed)
 
-and the chosen option adds A_o(j) to ``done`` and its n_o nodes to ``fed``. With one row (done = fed = 1)
+and the chosen option adds A_o(j) to ``done`` and its n_o nodes to ``fed``. A costly child not yet started
+on a request (a draft model: its first use prefills the whole context) is charged its start S too, spread
+over the tokens the row may still write (R = its remaining tokens, at most START_HORIZON), the start
+paying when S < R · (1/rate without it − 1/rate with it):
+
+    rate(o) = (done + A_o(j)) / (C(fed + n_o) + j · c_child + S · (1 + A_o(j)) / R)
+
+S is the child's seconds per context token (timed at each start; before the first, the caller's
+estimate) times the context lengths of the rows that have not started it (a batch starts it on every row). With one row (done = fed = 1)
 this is (1 + A(j)) / C(1 + n) against 1 / C(1). In a batch the first tokens of a pass are cheap per token
 (a decode step of 8 rows costs ~1.4 single ones), so the same draft that pays alone need not pay in a
 full batch: a server under load drafts less, by the same rule. C(T) is the measured target pass over T
@@ -41,6 +49,7 @@ target's whatever is chosen (every draft is verified as usual): the choice moves
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -55,6 +64,11 @@ from .base import NO_NEEDS, Draft, Drafter, needs_of
 from .registry import Method, methods as registered, register
 
 NONE = "none"  # the option of drafting nothing this step (plain decoding)
+# a draft model's acceptance before a request has shown its own (and before earlier requests pooled one): a
+# draft of the target's family agrees with it most of the time (Qwen2.5-Coder 0.5B / 1.5B: α 0.82 on
+# Spec-Bench, 0.85 on code); the arm moves to the request's own from its first steps
+DRAFT_MODEL_PRIOR = 0.75
+START_HORIZON = 256  # a costly child's start is spread over at most this many of a row's remaining tokens
 
 
 @dataclass
@@ -94,7 +108,8 @@ class AutoDrafter:
     def __init__(self, children: dict[str, Drafter], pass_cost: Callable[[int], float], *,
                  draft_cost: dict[str, float] | None = None, pooled: dict[str, Acceptance] | None = None,
                  decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 3.0,
-                 max_nodes: int = MAX_TREE_TOKENS - 1):
+                 max_nodes: int = MAX_TREE_TOKENS - 1, start_cost: dict[str, float] | None = None,
+                 priors: dict[str, float] | None = None):
         if not children:
             raise InvalidParameterError("method 'auto' needs at least one drafter to choose from")
         # what any child reads: the loop gives it to auto, which hands each child what it declared (the
@@ -113,6 +128,10 @@ class AutoDrafter:
             raise InvalidParameterError(f"draft costs for drafters auto does not have: {sorted(unknown)}")
         self.free = [n for n in children if n not in self.draft_cost]
         self.costly = [n for n in children if n in self.draft_cost]
+        # seconds per context token of starting a costly child on a request: the caller's dict, updated in
+        # place with each timed start (so a decoder's later requests price it from the last one)
+        self.start_cost = start_cost if start_cost is not None else {}
+        self.priors = dict(priors or {})  # per child: the acceptance a request starts from before any is seen
         self.pooled = pooled if pooled is not None else {}
         self.decay, self.prior_alpha, self.prior_weight = decay, prior_alpha, prior_weight
         self.max_nodes = max_nodes
@@ -136,13 +155,16 @@ class AutoDrafter:
         child = self.children[name]
         if hidden is not None and not needs_of(child).prompt_hidden:
             hidden = hidden[-1:]  # (1, D'): the last prompt position's, as the loop gives such a drafter
+        t0 = time.perf_counter()
         with self._as([seq], name):
             child.start(seq, hidden=hidden)
+        if name in self.start_cost:  # what the next start of it costs, per context token
+            self.start_cost[name] = (time.perf_counter() - t0) / max(len(seq.tokens), 1)
         seq.drafter_state.started.add(name)
 
     def _prior(self, name: str) -> Acceptance:
         pooled = self.pooled.get(name)
-        alpha = pooled.alpha if pooled is not None and pooled.tried > 0 else self.prior_alpha
+        alpha = pooled.alpha if pooled is not None and pooled.tried > 0 else self.priors.get(name, self.prior_alpha)
         return Acceptance(alpha * self.prior_weight, self.prior_weight, 1.0, 1.0)
 
     # ---- protocol -------------------------------------------------------------------------------
@@ -162,10 +184,15 @@ class AutoDrafter:
         drafts: list[Draft] = []
         want: dict[str, list[int]] = {n: [0] * len(seqs) for n in self.costly}
         done, fed = float(len(seqs)), len(seqs)  # the step so far: expected tokens, tokens fed (1 per row)
+        # the start of each costly child this step would make: every row that has not started it
+        start = {n: self.start_cost[n] * sum(len(s.tokens) for s in seqs if n not in s.drafter_state.started)
+                 for n in self.costly if n in self.start_cost}
         for i, (s, k) in enumerate(zip(seqs, ks)):
             st: _State = s.drafter_state
             st.proposals = {n: proposals[n][i] for n in self.free}
-            name, depth, gain, nodes = self._choose(st, k, done, fed)
+            name, depth, gain, nodes = self._choose(st, k, done, fed, start, s.remaining)
+            if name in start:
+                start[name] = 0.0  # started for every row below: the rows after this one pay nothing more
             done, fed = done + gain, fed + nodes
             st.chosen = name
             self.chosen[name] += 1
@@ -193,9 +220,12 @@ class AutoDrafter:
                 seqs[i].drafter_state.proposals[name] = made[i]
         return drafts
 
-    def _choose(self, st: _State, k: int, done: float = 1.0, fed: int = 1) -> tuple[str, int, float, int]:
+    def _choose(self, st: _State, k: int, done: float = 1.0, fed: int = 1, start: dict[str, float] | None = None,
+                remaining: int = START_HORIZON) -> tuple[str, int, float, int]:
         """(child or NONE, depth, expected accepted tokens, nodes fed) maximising the step's rate, given the
-        tokens ``done`` and ``fed`` by the rows that chose before (see the module docstring)."""
+        tokens ``done`` and ``fed`` by the rows that chose before, the seconds ``start`` of starting each costly
+        child this step and the row's ``remaining`` tokens (see the module docstring)."""
+        horizon = max(1, min(remaining, START_HORIZON))
         best, best_rate = (NONE, 0, 0.0, 0), done / self.pass_cost(fed)
         if k <= 0:
             return best
@@ -217,7 +247,8 @@ class AutoDrafter:
             for j in range(1, k + 1):
                 nodes = min(j * width, self.max_nodes)
                 gain = arm.pi * expected_accepted(arm.alpha, j)
-                rate = (done + gain) / (self.pass_cost(fed + nodes) + j * self.draft_cost[name])
+                begin = (start or {}).get(name, 0.0) * (1 + gain) / horizon  # its start, spread over the row
+                rate = (done + gain) / (self.pass_cost(fed + nodes) + j * self.draft_cost[name] + begin)
                 if rate > best_rate:
                     best, best_rate = (name, j, gain, nodes), rate
         return best
@@ -261,11 +292,13 @@ class AutoDrafter:
 
 
 def _build(dw, rows: int, capacity: int, methods: list[str] | tuple[str, ...] | None = None, branches: int = 1,
-           heads: str | None = None, **opts) -> AutoDrafter:
+           heads: str | None = None, draft_model: bool = True, **opts) -> AutoDrafter:
     """The auto drafter over ``methods`` (default: the registered methods marked ``auto_child`` — the
-    drafters that cost no model forwards — and the kinds of draft heads in option ``heads`` when it is
-    given; a draft-model method may be named when a draft model is set), priced by this machine's measured
-    target pass costs (and the draft model's or head's cost per drafted token). A head child drafts a chain."""
+    drafters that cost no model forwards —, the kinds of draft heads in option ``heads`` when it is given,
+    and ``draft`` when ``draft_model`` and the decoder's draft model qualifies: ``auto_takes_draft``; a
+    draft-model method may be named when a draft model is set), priced by this machine's measured target
+    pass costs (and the draft model's or head's cost per drafted token, and a draft model's start: its
+    prefill of the context). A head child drafts a chain."""
     from ..heads import draft_seconds, pick_heads
 
     known = registered()
@@ -276,6 +309,8 @@ def _build(dw, rows: int, capacity: int, methods: list[str] | tuple[str, ...] | 
                 with contextlib.suppress(InvalidParameterError):
                     pick_heads(heads, m.heads)
                     names.append(n)
+        if draft_model and dw.auto_takes_draft():  # a draft model of the target's tokenizer, smaller, here
+            names.append("draft")
     else:
         names = list(methods)
     bad = [n for n in names if n not in known or n in (AutoDrafter.name, "ar") or known[n].heads and not heads]
@@ -287,7 +322,11 @@ def _build(dw, rows: int, capacity: int, methods: list[str] | tuple[str, ...] | 
     draft_cost = {n: dw.per_draft_cost(n) for n in names if known[n].draft_model}
     draft_cost.update({n: draft_seconds(children[n]) for n in names if known[n].heads})
     dw.pass_cost(1)  # measured here (once per process), not inside the first decode step
-    return AutoDrafter(children, dw.pass_cost, draft_cost=draft_cost, pooled=dw.auto_arms)
+    models = [n for n in names if known[n].draft_model]
+    for n in models:  # a draft model's start (its prefill of the context): estimated until one is timed
+        dw.auto_start_costs.setdefault(n, dw.draft_start_cost())
+    return AutoDrafter(children, dw.pass_cost, draft_cost=draft_cost, pooled=dw.auto_arms,
+                       start_cost=dw.auto_start_costs, priors={n: DRAFT_MODEL_PRIOR for n in models})
 
 
 register(Method("auto", _build, help="per request and step, the drafter (or none) with the most expected "

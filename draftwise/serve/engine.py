@@ -296,7 +296,10 @@ class Engine:
         return self.dw.prime(policy, self.method)
 
     def _make_decoder(self) -> Decoder:
-        drafter = self.dw.make_drafter(self.method, self.rows, self.capacity, **self.cfg.drafter_options)
+        opts = dict(self.cfg.drafter_options)
+        if self.method == "auto":  # the free drafters, unless told: a batch prices a draft model out (c8: 0.87x
+            opts.setdefault("draft_model", False)  # ar), and its cache is not in the KV budget above
+        drafter = self.dw.make_drafter(self.method, self.rows, self.capacity, **opts)
         self.drafter = ServeDrafter(drafter) if drafter is not None else None
         tok = self.tokenizer
         decoder = Decoder(self.dw.target.model, self.drafter, self.policy, eos_ids=tok.eos_ids,
