@@ -250,3 +250,18 @@ def test_auto_never_downloads_a_draft_model(hf_folder, tmp_path, monkeypatch):
     assert not SpeculativeDecoder(str(hf_folder), draft=name, progress=False).auto_takes_draft()
     monkeypatch.setattr(registry, "trusted", lambda model, dest: True)  # as if fetched and verified
     assert _weights_bytes(name) == registry.MODELS[name].size
+
+
+def test_a_costly_childs_pool_is_shrunk_towards_its_prior(tiny_draft):
+    """A draft model is measured only on the steps it was chosen: a few bad ones pooled from an earlier
+    request pull a new request's prior down only part of the way (it gets tried again), many pull it down
+    fully; a free child's pool (scored at every step) is taken as it is."""
+    from draftwise.acceptance import Acceptance
+
+    auto = AutoDrafter({"pld": PromptLookupDrafter(), "draft": DraftModelDrafter(tiny_draft, 1, CAP)}, flat,
+                       draft_cost={"draft": 0.1}, priors={"draft": 0.8})
+    auto.pooled["draft"] = Acceptance(accepted=1.0, tried=4.0)  # 0.25 from four tries
+    auto.pooled["pld"] = Acceptance(accepted=1.0, tried=4.0)
+    assert 0.5 < auto._prior("draft").alpha < 0.8 and auto._prior("pld").alpha == pytest.approx(0.25)
+    auto.pooled["draft"] = Acceptance(accepted=25.0, tried=100.0)
+    assert auto._prior("draft").alpha < 0.35

@@ -68,6 +68,7 @@ NONE = "none"  # the option of drafting nothing this step (plain decoding)
 # draft of the target's family agrees with it most of the time (Qwen2.5-Coder 0.5B / 1.5B: α 0.82 on
 # Spec-Bench, 0.85 on code); the arm moves to the request's own from its first steps
 DRAFT_MODEL_PRIOR = 0.75
+POOL_SHRINK = 8.0  # tries at its prior a costly child's pooled acceptance is shrunk with (``_prior``)
 START_HORIZON = 256  # a costly child's start is spread over at most this many of a row's remaining tokens
 
 
@@ -163,8 +164,18 @@ class AutoDrafter:
         seq.drafter_state.started.add(name)
 
     def _prior(self, name: str) -> Acceptance:
+        """A new request's arm for ``name``: the acceptance pooled over earlier requests, or the prior before
+        any. A costly child's pool is shrunk towards its prior (POOL_SHRINK tries): it is measured only on
+        the steps it was chosen, so a few unlucky ones (a draft model tried at the start of a prose answer)
+        would otherwise keep it from ever being tried again; a free child is scored at every step."""
         pooled = self.pooled.get(name)
-        alpha = pooled.alpha if pooled is not None and pooled.tried > 0 else self.priors.get(name, self.prior_alpha)
+        base = self.priors.get(name, self.prior_alpha)
+        if pooled is None or pooled.tried <= 0:
+            alpha = base
+        elif name in self.costly:
+            alpha = pooled.shrunk(base, 1.0, POOL_SHRINK)[0]
+        else:
+            alpha = pooled.alpha
         return Acceptance(alpha * self.prior_weight, self.prior_weight, 1.0, 1.0)
 
     # ---- protocol -------------------------------------------------------------------------------
