@@ -348,9 +348,10 @@ class SpeculativeDecoder:
         Loads the draft model when it qualifies (its cost per token prices it)."""
         if self.backend != "native" or self._draft_ref is None or self.is_encoder_decoder:
             return False
-        mine, theirs = _weights_bytes(self._draft_ref), _weights_bytes(self.target.name)  # the files
-        if (mine is None or theirs is None) and self._draft is not None:  # models given: their memory
-            mine, theirs = _weights_bytes(self._draft), _weights_bytes(self.target)
+        if isinstance(self._draft_ref, LoadedModel):  # a model given: the two in memory
+            mine, theirs = _weights_bytes(self._draft_ref), _weights_bytes(self.target)
+        else:  # a name or path: the two weight files
+            mine, theirs = _weights_bytes(self._draft_ref), _weights_bytes(self.target.name)
         if mine is None or theirs is None or mine >= theirs:
             return False
         return self.bridge is None

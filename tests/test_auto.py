@@ -186,7 +186,8 @@ def test_api_auto_method(hf_folder):
 def test_a_draft_models_start_is_priced_and_timed(tiny_target, tiny_draft):
     """A costly child's first use prefills the context: auto charges that start spread over the row's remaining
     tokens, so a start that cannot pay back is not made (nothing drafted, the draft model never started) and
-    one that can is; each start is timed and prices the next (the caller's dict, shared across requests)."""
+    one that can is; each start is timed and prices the next (the caller's dict, shared across requests). In
+    a batch its forwards are priced once for every row."""
     params = SamplingParams(max_tokens=30)
     ref = run(tiny_target, None, [PROMPTS[0]], params)[0]
 
@@ -208,12 +209,17 @@ def test_a_draft_models_start_is_priced_and_timed(tiny_target, tiny_draft):
     assert st._choose(state, 4, start={"draft": 10.0}, remaining=4)[0] == NONE
     assert st._choose(state, 4, start={"draft": 10.0}, remaining=1000)[0] == "draft"
     assert st._choose(state, 4, start={"draft": 0.0}, remaining=4)[0] == "draft"  # started: no start to pay
+    # in a batch the draft model's forwards run over every row: the first row to choose it pays them (here
+    # 20x one row's: not worth it), a later row only depth beyond what is drafted already (here none: free)
+    assert st._choose(state, 4, shape=20.0)[0] == NONE
+    assert st._choose(state, 4, shape=20.0, paid={"draft": 4})[:2] == ("draft", 4)
 
 
 def test_auto_takes_a_smaller_draft_model_of_the_target_tokenizer(hf_folder, hf_folder_other_vocab, tmp_path):
     """By default auto also chooses the draft model when there is one of the target's tokenizer, smaller than
-    the target and already on the machine; not one as big as the target, one of another tokenizer, or in the
-    server (a batch prices it out, and its cache is not in the KV budget). Output: ``ar``'s either way."""
+    the target and already on the machine; not one as big as the target or one of another tokenizer. A server
+    of one row takes it too (a batching one when told), its cache rows counted in the KV budget. Output:
+    ``ar``'s either way."""
     from draftwise import SpeculativeDecoder
     from draftwise.api import ModelSpec
     from tests.conftest import make_hf_folder
@@ -222,13 +228,22 @@ def test_auto_takes_a_smaller_draft_model_of_the_target_tokenizer(hf_folder, hf_
     dw = SpeculativeDecoder(str(hf_folder), draft=str(small), progress=False)
     assert dw.auto_takes_draft()
     assert "draft" in dw.make_drafter("auto", 1, 64).children
-    assert "draft" not in dw.make_drafter("auto", 1, 64, draft_model=False).children  # the server's
+    assert "draft" not in dw.make_drafter("auto", 1, 64, draft_model=False).children
     assert 0 < dw.auto_start_costs["draft"] < 1.0  # estimated from the draft's measured pass
     params = SamplingParams(max_tokens=24)
     ref = dw.generate("hello hello hello", params, method="ar")
     assert dw.generate("hello hello hello", params, method="auto").token_ids == ref.token_ids
     spec = ModelSpec(str(hf_folder), str(small))
     assert spec.for_method("auto").draft == str(small) and spec.for_method("pld").draft is None
+    from draftwise.serve.engine import Engine, EngineConfig
+
+    with_draft = Engine(dw, EngineConfig(method="auto", max_model_len=100, max_batch=1))  # a personal server
+    batching = Engine(dw, EngineConfig(method="auto", max_model_len=100, max_batch=2))
+    named = Engine(dw, EngineConfig(method="auto", max_model_len=100, max_batch=2,
+                                    drafter_options={"methods": ["pld", "draft"]}))
+    assert "draft" in with_draft.drafter.inner.children and "draft" not in batching.drafter.inner.children
+    assert "draft" in named.drafter.inner.children
+    assert with_draft.kv_bytes_per_token == named.kv_bytes_per_token > batching.kv_bytes_per_token  # budgeted
     for draft in (str(hf_folder), str(hf_folder_other_vocab), None):  # as big / another tokenizer / none
         assert not SpeculativeDecoder(str(hf_folder), draft=draft, progress=False).auto_takes_draft()
 

@@ -31,7 +31,9 @@ paying when S < R · (1/rate without it − 1/rate with it):
     rate(o) = (done + A_o(j)) / (C(fed + n_o) + j · c_child + S · (1 + A_o(j)) / R)
 
 S is the child's seconds per context token (timed at each start; before the first, the caller's
-estimate) times the context lengths of the rows that have not started it (a batch starts it on every row). With one row (done = fed = 1)
+estimate) times the context lengths of the rows that have not started it (a batch starts it on every row).
+In a batch a costly child's forwards run over every row, costing about C(B) / C(1) times one row's: the
+first row to choose it pays j · c_child times that, a later row only the depth beyond the deepest chosen. With one row (done = fed = 1)
 this is (1 + A(j)) / C(1 + n) against 1 / C(1). In a batch the first tokens of a pass are cheap per token
 (a decode step of 8 rows costs ~1.4 single ones), so the same draft that pays alone need not pay in a
 full batch: a server under load drafts less, by the same rule. C(T) is the measured target pass over T
@@ -196,14 +198,21 @@ class AutoDrafter:
         want: dict[str, list[int]] = {n: [0] * len(seqs) for n in self.costly}
         done, fed = float(len(seqs)), len(seqs)  # the step so far: expected tokens, tokens fed (1 per row)
         # the start of each costly child this step would make: every row that has not started it
+        # a costly child drafts for the whole batch at once (every row takes part, if only to catch up): its
+        # forward over the B rows costs about what the target's over B tokens does against one (``shape``),
+        # paid by the first row that chooses it, and by a later one only for depth beyond the deepest so far
+        paid = {n: 0 for n in self.costly}
+        shape = self.pass_cost(len(seqs)) / self.pass_cost(1) if len(seqs) > 1 else 1.0
         start = {n: self.start_cost[n] * sum(len(s.tokens) for s in seqs if n not in s.drafter_state.started)
                  for n in self.costly if n in self.start_cost}
         for i, (s, k) in enumerate(zip(seqs, ks)):
             st: _State = s.drafter_state
             st.proposals = {n: proposals[n][i] for n in self.free}
-            name, depth, gain, nodes = self._choose(st, k, done, fed, start, s.remaining)
+            name, depth, gain, nodes = self._choose(st, k, done, fed, start, s.remaining, paid, shape)
             if name in start:
                 start[name] = 0.0  # started for every row below: the rows after this one pay nothing more
+            if name in paid:  # the batched draft forwards run this deep now: a later row pays only deeper ones
+                paid[name] = max(paid[name], depth)
             done, fed = done + gain, fed + nodes
             st.chosen = name
             self.chosen[name] += 1
@@ -232,10 +241,12 @@ class AutoDrafter:
         return drafts
 
     def _choose(self, st: _State, k: int, done: float = 1.0, fed: int = 1, start: dict[str, float] | None = None,
-                remaining: int = START_HORIZON) -> tuple[str, int, float, int]:
+                remaining: int = START_HORIZON, paid: dict[str, int] | None = None, shape: float = 1.0
+                ) -> tuple[str, int, float, int]:
         """(child or NONE, depth, expected accepted tokens, nodes fed) maximising the step's rate, given the
         tokens ``done`` and ``fed`` by the rows that chose before, the seconds ``start`` of starting each costly
-        child this step and the row's ``remaining`` tokens (see the module docstring)."""
+        child this step, the row's ``remaining`` tokens, and for a batch the depth each costly child drafts
+        already (``paid``) and its batched forward's cost against one row's (``shape``): see ``propose``."""
         horizon = max(1, min(remaining, START_HORIZON))
         best, best_rate = (NONE, 0, 0.0, 0), done / self.pass_cost(fed)
         if k <= 0:
@@ -259,7 +270,8 @@ class AutoDrafter:
                 nodes = min(j * width, self.max_nodes)
                 gain = arm.pi * expected_accepted(arm.alpha, j)
                 begin = (start or {}).get(name, 0.0) * (1 + gain) / horizon  # its start, spread over the row
-                rate = (done + gain) / (self.pass_cost(fed + nodes) + j * self.draft_cost[name] + begin)
+                drafting = max(0, j - (paid or {}).get(name, 0)) * self.draft_cost[name] * shape
+                rate = (done + gain) / (self.pass_cost(fed + nodes) + drafting + begin)
                 if rate > best_rate:
                     best, best_rate = (name, j, gain, nodes), rate
         return best
