@@ -23,25 +23,26 @@ to yield and the tokens it feeds with the choices made so far (each row counted 
     rate(o) = (done + A_o(j)) / (C(fed + n_o) + j · c_child)        A(j) = Σ_{l=1..j} α^l
     rate(none) = done / C(fed)
 
-and the chosen option adds A_o(j) to ``done`` and its n_o nodes to ``fed``. A costly child not yet started
-on a request (a draft model: its first use prefills the whole context) is charged its start S too, spread
-over the tokens the row may still write (R = its remaining tokens, at most START_HORIZON), the start
-paying when S < R · (1/rate without it − 1/rate with it):
+and the chosen option adds A_o(j) to ``done`` and its n_o nodes to ``fed``. With one row (done = fed = 1)
+this is (1 + A(j)) / C(1 + n) against 1 / C(1). In a batch the first tokens of a pass are cheap per token
+(a decode step of 8 rows costs ~1.4 single ones), so the same draft that pays alone need not pay in a
+full batch: a server under load drafts less, by the same rule. C(T) is the measured target pass over T
+new tokens (T = 1 + the nodes fed), c_child a costly child's seconds per drafted token, α the child's
+decayed acceptance: accepted positions / positions tried (up to the first miss; positions past the
+emitted tokens are unknown and not counted). On a CPU where verifying k tokens costs nearly k passes
+(AVX2), "none" wins unless acceptance is high; where a pass over 32 tokens costs what one costs (AMX),
+long drafts win — the same rule, measured.
+
+A costly child not yet started on a request (a draft model: its first use prefills the whole context) is
+charged its start S too, spread over the tokens the row may still write (R = its remaining tokens, at most
+START_HORIZON), the start paying when S < R · (1/rate without it − 1/rate with it):
 
     rate(o) = (done + A_o(j)) / (C(fed + n_o) + j · c_child + S · (1 + A_o(j)) / R)
 
 S is the child's seconds per context token (timed at each start; before the first, the caller's
 estimate) times the context lengths of the rows that have not started it (a batch starts it on every row).
 In a batch a costly child's forwards run over every row, costing about C(B) / C(1) times one row's: the
-first row to choose it pays j · c_child times that, a later row only the depth beyond the deepest chosen. With one row (done = fed = 1)
-this is (1 + A(j)) / C(1 + n) against 1 / C(1). In a batch the first tokens of a pass are cheap per token
-(a decode step of 8 rows costs ~1.4 single ones), so the same draft that pays alone need not pay in a
-full batch: a server under load drafts less, by the same rule. C(T) is the measured target pass over T
-new tokens (T = 1 + the nodes fed), c_child a costly
-child's seconds per drafted token, α the child's decayed acceptance: accepted positions / positions tried
-(up to the first miss; positions past the emitted tokens are unknown and not counted). On a CPU where
-verifying k tokens costs nearly k passes (AVX2), "none" wins unless acceptance is high; where a pass over
-32 tokens costs what one costs (AMX), long drafts win — the same rule, measured.
+first row to choose it pays j · c_child times that, a later row only the depth beyond the deepest chosen.
 
 Per-sequence child states live in this drafter's own state on the sequence and are swapped into
 ``seq.drafter_state`` around each child call, so children stay unaware of each other. Output is the
@@ -197,12 +198,12 @@ class AutoDrafter:
         drafts: list[Draft] = []
         want: dict[str, list[int]] = {n: [0] * len(seqs) for n in self.costly}
         done, fed = float(len(seqs)), len(seqs)  # the step so far: expected tokens, tokens fed (1 per row)
-        # the start of each costly child this step would make: every row that has not started it
         # a costly child drafts for the whole batch at once (every row takes part, if only to catch up): its
         # forward over the B rows costs about what the target's over B tokens does against one (``shape``),
         # paid by the first row that chooses it, and by a later one only for depth beyond the deepest so far
         paid = {n: 0 for n in self.costly}
         shape = self.pass_cost(len(seqs)) / self.pass_cost(1) if len(seqs) > 1 else 1.0
+        # the start of each costly child this step would make: every row that has not started it
         start = {n: self.start_cost[n] * sum(len(s.tokens) for s in seqs if n not in s.drafter_state.started)
                  for n in self.costly if n in self.start_cost}
         for i, (s, k) in enumerate(zip(seqs, ks)):

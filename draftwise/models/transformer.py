@@ -357,7 +357,6 @@ class Transformer(WatchedModule):
         tap = torch.stack([tapped[i] for i in taps], 2) if taps else None  # (B, T, len(taps), D)
         return ModelOutput(logits=self.lm_head(h).float(), hidden=h if every is None else every, taps=tap)
 
-
     def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: list[int],
                 tree: "TreeMask | None", packed: "Packing | None", T: int, layers: tuple[int, ...] | None,
                 taps: tuple[int, ...], tapped: dict[int, torch.Tensor]) -> torch.Tensor:
