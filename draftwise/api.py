@@ -163,7 +163,7 @@ def _weights_bytes(ref: str | LoadedModel) -> int | None:
     """Bytes of a loaded model's weights in memory, or of a model's weight files when they are already on
     this machine (a file, a folder's safetensors, a named model fetched and verified); else None — nothing
     is downloaded."""
-    from .models.registry import MODELS, draftwise_home, trusted
+    from .models.registry import MODELS, fetched
 
     if isinstance(ref, LoadedModel):
         model = ref.model
@@ -177,10 +177,8 @@ def _weights_bytes(ref: str | LoadedModel) -> int | None:
             return p.stat().st_size
         if p.is_dir():
             return sum(f.stat().st_size for f in p.glob("*.safetensors")) or None
-        named = MODELS.get(ref)
-        if named is not None:
-            dest = draftwise_home() / "models" / named.filename
-            return named.size if trusted(named, dest) else None
+        if ref in MODELS:
+            return MODELS[ref].size if fetched(ref) is not None else None
     except OSError:
         return None
     return None

@@ -276,11 +276,24 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def named_path(model: NamedModel) -> Path:
+    """Where named model ``model`` lives once fetched (``$DRAFTWISE_HOME/models``)."""
+    return draftwise_home() / "models" / model.filename
+
+
+def fetched(name: str) -> Path | None:
+    """The local file of named model ``name`` when it is already fetched and verified, else None (nothing is
+    fetched or hashed)."""
+    model = MODELS[name]
+    dest = named_path(model)
+    return dest if trusted(model, dest) else None
+
+
 def fetch_named(name: str, progress: bool = True) -> Path:
     """Return the local path of named model ``name``, fetching and verifying it on first use, and
     repairing it (fetching again) when the file in place is missing, truncated or corrupted."""
     model = MODELS[name]
-    dest = draftwise_home() / "models" / model.filename
+    dest = named_path(model)
     if trusted(model, dest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)

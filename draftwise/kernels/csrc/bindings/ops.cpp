@@ -381,6 +381,17 @@ py::tuple amx_verify(const std::string& mode) {
   return py::make_tuple(ok, why);
 }
 
+// y (M, N) += b (N,) row by row, on this thread: QLinear's bias (kernels/__init__.py) and stack.cpp's
+void add_bias_(torch::Tensor y, torch::Tensor b) {
+  TORCH_CHECK(y.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32 && y.is_contiguous() &&
+              b.is_contiguous() && y.size(-1) == b.numel(), "add_bias_: contiguous f32 (M, N) and (N,)");
+  float* yp = y.data_ptr<float>();
+  const float* bp = b.data_ptr<float>();
+  const int64_t N = b.numel(), M = y.numel() / N;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
+}
+
 void bind_stack(py::module_& m);  // stack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -403,15 +414,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] projection, fp32 (layers.cpp)");
   m.def("set_threads", &set_threads, "the kernel's thread count (0: torch's)");
   m.def("get_threads", &get_threads, "the kernel's thread count as set (0: torch's)");
-  m.def("add_bias_", [](torch::Tensor y, torch::Tensor b) {
-    TORCH_CHECK(y.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32 && y.is_contiguous() &&
-                b.is_contiguous() && y.size(-1) == b.numel(), "add_bias_: contiguous f32 (M, N) and (N,)");
-    float* yp = y.data_ptr<float>();
-    const float* bp = b.data_ptr<float>();
-    const int64_t N = b.numel(), M = y.numel() / N;
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
-  }, "y += b on this thread (no torch thread pool: a short forward's bias)");
+  m.def("add_bias_", &add_bias_, "y += b on this thread (no torch thread pool: a short forward's bias)");
   m.def("isa", &isa, "the instruction-set path in use");
   static const std::string set_isa_doc = [] {
     std::string d = "force a path (";

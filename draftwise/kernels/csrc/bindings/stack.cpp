@@ -13,6 +13,7 @@
 #include <vector>
 
 // ops.cpp
+void add_bias_(torch::Tensor y, torch::Tensor b);
 torch::Tensor qmm_kq(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
@@ -37,22 +38,13 @@ struct Layer {
   Proj qkv, o, gate_up, down;
 };
 
-// y += b row by row (the add_bias_ binding's loop)
-void add_bias(torch::Tensor& y, const torch::Tensor& b) {
-  float* yp = y.data_ptr<float>();
-  const float* bp = b.data_ptr<float>();
-  const int64_t N = b.numel(), M = y.numel() / N;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) yp[m * N + n] += bp[n];
-}
-
 // x (M, K) f32 contiguous -> (M, sum of the parts' N)
 torch::Tensor project(const torch::Tensor& x, const Proj& proj) {
   std::vector<torch::Tensor> ys;
   ys.reserve(proj.size());
   for (const Part& p : proj) {
     torch::Tensor y = qmm_kq(x, p.w, p.fmt, p.N);
-    if (p.bias.numel()) add_bias(y, p.bias);
+    if (p.bias.numel()) add_bias_(y, p.bias);  // QLinear's bias, the same loop
     ys.push_back(y);
   }
   return ys.size() == 1 ? ys[0] : torch::cat(ys, -1);
