@@ -1,8 +1,8 @@
 """The draft model's head over part of its vocabulary (``transformer.VocabSubset`` / ``restrict_vocab``;
-``DRAFTWISE_DRAFT_VOCAB``, ``api.draft_head_tokens``): the kept tokens' logits are the
-full head's bit for bit, the others -inf, and drafting with it stays lossless — greedy and seeded outputs equal
-plain decoding's, and sampled outputs follow the target's distribution (the rejection sampler is given the
-restricted q, zero outside the subset)."""
+``DRAFTWISE_DRAFT_VOCAB``, ``api.draft_head_tokens``): the kept tokens' logits (the first ids', and those the
+running sequences hold) are the full head's bit for bit, the others -inf, and drafting with it stays
+lossless: greedy and seeded outputs equal plain decoding's, and sampled outputs follow the target's
+distribution (the rejection sampler is given the restricted q, zero outside the subset)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,50 @@ def test_drafting_with_a_restricted_head_is_lossless(tiny_gguf):
         assert drafted > 0
 
 
+def test_held_tokens_are_computed_until_released(tiny_gguf):
+    """A sequence's tokens outside the kept ranges are computed (the whole head's logits, bit for bit) while
+    some sequence holds their tile, and -inf again once the last holder released it."""
+    full, cut = tiny_gguf
+    assert restrict_vocab(cut.model, 16, set())  # tile 0 (ids 0-15) kept
+    head = cut.model.lm_head
+    ids = torch.tensor([[3, 17, 42, 8, 91, 5]])
+    want = full.model.forward(ids, full.model.new_cache(1, 16)).logits
+
+    def computed() -> set[int]:  # tiles whose logits are the full head's; every other logit must be -inf
+        out = cut.model.forward(ids, cut.model.new_cache(1, 16)).logits
+        tiles = {t for t in range(6) if torch.equal(out[..., 16 * t:16 * t + 16], want[..., 16 * t:16 * t + 16])}
+        assert all(torch.isneginf(out[..., 16 * t:16 * t + 16]).all() for t in set(range(6)) - tiles)
+        return tiles
+
+    a, b = set(), set()
+    head.hold([40, 3, 95], a)
+    head.hold([41, 60, 44], b)
+    assert a == {2, 5} and b == {2, 3}  # the kept tile 0 is not held
+    assert computed() == {0, 2, 3, 5}
+    head.release(a)
+    assert not a and computed() == {0, 2, 3}  # tile 2: b still holds it
+    head.hold([], b)
+    head.release(b)
+    assert head.held == {} and computed() == {0}
+
+
+def test_the_draft_holds_each_running_sequences_tokens(tiny_gguf):
+    target, draft = tiny_gguf
+    assert restrict_vocab(draft.model, 16, set())
+    head = draft.model.lm_head
+    drafter = DraftModelDrafter(draft.model, 2, 64)
+    held: list[dict] = []
+    propose = drafter.propose
+    drafter.propose = lambda seqs, ks: held.append(dict(head.held)) or propose(seqs, ks)
+    seqs = [Sequence([1, 2, 50, 3], SamplingParams(temperature=0, max_tokens=12)),
+            Sequence([4, 90, 91, 5, 6], SamplingParams(temperature=0, max_tokens=12))]
+    Decoder(target.model, drafter, FixedGamma(3), rows=2, capacity=64).run(seqs)
+    assert held and held[0].keys() >= {3, 5}  # the prompts' tiles, from the first step
+    outputs = {t // 16 for s in seqs for t in s.output_ids} - {0}
+    assert all(h.keys() <= {3, 5} | outputs for h in held)
+    assert head.held == {} and drafter._held == {}  # both sequences released what they held
+
+
 @pytest.mark.statistical
 def test_sampled_output_follows_the_target_with_a_restricted_draft():
     """The draft proposes only tokens 0-2 of 6 (q zero elsewhere); the target still emits 3-5 at their own
@@ -97,6 +141,7 @@ def test_how_many_tokens_the_draft_head_keeps(tiny_gguf, monkeypatch):
     class Big:
         model, config = small.model, type("C", (), {"vocab_size": 151936})()
 
+    monkeypatch.delenv("DRAFTWISE_DRAFT_VOCAB", raising=False)
     assert draft_head_tokens(small, None) is None
     assert draft_head_tokens(Big, None) is None  # off by default
     assert draft_head_tokens(Big, "full") is None and draft_head_tokens(Big, 4096) == 4096

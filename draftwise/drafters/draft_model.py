@@ -7,6 +7,7 @@ import torch
 
 from ..errors import IncompatibleModelsError, InvalidParameterError
 from ..models.base import CausalLM, is_encoder_decoder
+from ..models.transformer import VocabSubset
 from ..sampling import logits_to_probs, sample, sample_at
 from ..sequence import Sequence
 from .base import Draft
@@ -27,6 +28,9 @@ class DraftModelDrafter:
 
     Its cache row mirrors the sequence's engine row. ``seq.drafter_state`` is the number of the
     sequence's leading tokens whose keys/values are valid in the draft cache.
+
+    A draft whose head computes part of its vocabulary (``transformer.VocabSubset``) also computes every token
+    a running sequence holds — its prompt's and output's — from ``start`` to ``release``.
     """
 
     name = "draft"
@@ -37,10 +41,15 @@ class DraftModelDrafter:
         self.model = model
         self.cache = model.new_cache(rows, capacity)
         self.branches = branches
+        head = getattr(model, "lm_head", None)
+        self.vocab = head if isinstance(head, VocabSubset) else None
+        self._held: dict[int, set[int]] = {}  # id(seq) -> the head tiles its tokens hold (VocabSubset.hold)
 
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
         cache = self.cache.view(slice(seq.row, seq.row + 1))
         cache.reset()
+        if self.vocab is not None:
+            self.vocab.hold(seq.tokens, self._held.setdefault(id(seq), set()))
         if is_encoder_decoder(self.model):  # an encoder-decoder draft encodes the source into its own cache
             self.model.encode(cache, seq.encoder_ids)
         prefix = seq.tokens[:-1]
@@ -113,9 +122,13 @@ class DraftModelDrafter:
         on_chain = num_accepted if path is None else next(
             (d for d, node in enumerate(path) if node != d), len(path))
         seq.drafter_state = min(seq.drafter_state, n_before + on_chain)
+        if self.vocab is not None:
+            self.vocab.hold(seq.tokens[n_before:], self._held.setdefault(id(seq), set()))
 
     def release(self, seq: Sequence) -> None:
         self.cache.reset(seq.row)
+        if self.vocab is not None:
+            self.vocab.release(self._held.pop(id(seq), set()))
 
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)

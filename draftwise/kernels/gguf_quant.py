@@ -182,6 +182,17 @@ def code_rows(code: QCode, row: int, n: int) -> QCode:
                  code.group, code.bits)
 
 
+def code_tiles(code: QCode, tiles: torch.Tensor, rows: int) -> QCode:
+    """The rows of the 16-row tiles ``tiles`` (sorted indices, (n,) int64) of a code with ``rows`` rows, copied
+    into one code (a K-quant code's rows come in tiles of 16; a last tile past ``rows`` keeps its padding)."""
+    r = (tiles[:, None] * 16 + torch.arange(16)).reshape(-1)  # (16 n,) row ids
+    if code.bits in KQ_TILE:
+        return QCode(code.q.index_select(0, tiles), code.scale[:0].new_empty(len(r), 0), None, code.group, code.bits)
+    r = r[r < rows]
+    return QCode(code.q.index_select(0, r), code.scale.index_select(0, r),
+                 None if code.minv is None else code.minv.index_select(0, r), code.group, code.bits)
+
+
 def repack(data: np.ndarray, qtype: str, shape: tuple[int, int], out: QCode | None = None) -> QCode | None:
     """``parse`` through the kernel's C++ re-packer (csrc/gguf/repack.h) where it handles the format: the same
     bytes, written in place into ``out`` when given (e.g. rows of a fused matrix), on the kernel's threads.

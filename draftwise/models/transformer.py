@@ -444,25 +444,95 @@ class Concat(WatchedModule):
 
 class VocabSubset(nn.Module):
     """A draft model's output head over part of its vocabulary: the logits of the tokens in ``ranges`` (row
-    ranges of the head's matrix, taken as views: no copy) and -inf for every other token, so the model's
-    output keeps its full width. Most of a small model's bytes per token can be its head (Qwen2.5-0.5B:
-    152K x 896 of 494M weights); a draft rarely needs the rare tokens (FR-Spec, Zhao et al. 2025). Lossless:
-    every drafted token is still verified by the target, and a sampled draft's distribution q is the
-    restricted one the rejection sampler is given (zero outside the subset)."""
+    ranges of the head's matrix, taken as views: no copy), of the tokens the running sequences hold (``hold``:
+    their prompts' and outputs' tokens, whole 16-row tiles copied from ``full``, the whole head) and -inf for
+    every other token, so the model's output keeps its full width. Most of a small model's bytes per token can
+    be its head (Qwen2.5-0.5B: 152K x 896 of 494M weights); a draft rarely needs the rare tokens (FR-Spec, Zhao
+    et al. 2025) unless the context has them — a name, a word of another language, an identifier the answer
+    repeats. Lossless: every drafted token is still verified by the target, and a sampled draft's distribution
+    q is the restricted one the rejection sampler is given (zero outside the subset)."""
 
-    def __init__(self, parts: list[nn.Module], ranges: list[tuple[int, int]], vocab: int):
+    def __init__(self, parts: list[nn.Module], ranges: list[tuple[int, int]], vocab: int,
+                 full: nn.Module | None = None):
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.ranges, self.out_features = ranges, vocab
+        # the whole head, outside the module tree (its storage is the parts' own; nothing is counted twice)
+        self.__dict__["full"] = full
+        self.kept = torch.zeros((vocab + 15) // 16, dtype=torch.bool)  # (V / 16,) tiles the ranges hold
+        for a, b in ranges:
+            self.kept[a // 16:(b + 15) // 16] = True
+        self.held: dict[int, int] = {}  # tile -> how many sequences hold it
+        self._extra: tuple | None = None  # _head_tiles: the held tiles' rows, their bias, their token ids
+        self._stale = False
+
+    def hold(self, ids, mine: set[int]) -> None:
+        """Compute the tokens ``ids`` too, for a sequence whose held tiles are ``mine`` (updated in place; give
+        it back to ``release``). Tiles the ranges already keep are not held."""
+        if self.full is None:
+            return
+        tiles = {i // 16 for i in ids if 0 <= i < self.out_features} - mine
+        for t in tiles:
+            if not self.kept[t]:
+                mine.add(t)
+                self.held[t] = self.held.get(t, 0) + 1
+                self._stale |= self.held[t] == 1
+
+    def release(self, mine: set[int]) -> None:
+        """A sequence that held the tiles ``mine`` is done with them."""
+        for t in mine:
+            n = self.held.pop(t) - 1
+            if n:
+                self.held[t] = n
+            else:
+                self._stale = True
+        mine.clear()
+
+    def _extra_rows(self) -> tuple | None:
+        """``_head_tiles`` of the held tiles (copied from the whole head when the held set changed), or None
+        when no tile is held."""
+        if self._stale:
+            self._stale = False
+            self._extra = None
+            if self.held:
+                self._extra = _head_tiles(self.full, torch.tensor(sorted(self.held)), self.out_features)
+        return self._extra
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_full((*x.shape[:-1], self.out_features), float("-inf"))  # (..., V)
         for (a, b), p in zip(self.ranges, self.parts):
             out[..., a:b] = p(x)
+        extra = self._extra_rows()
+        if extra is not None:
+            part, bias, cols = extra
+            y = part(x)[..., :len(cols)]  # (..., R): a K-quant code's last tile may hold padding rows past V
+            out[..., cols] = y if bias is None else y + bias
         return out
 
     def extra_repr(self) -> str:
         return f"{sum(b - a for a, b in self.ranges)} of {self.out_features} tokens: {self.ranges}"
+
+
+def _head_tiles(head: nn.Module, tiles: torch.Tensor, vocab: int) -> tuple[nn.Module, torch.Tensor | None,
+                                                                          torch.Tensor]:
+    """Rows of the 16-row tiles ``tiles`` (sorted, (n,)) of an output head, copied into one module of the
+    head's kind without its bias, the bias of those rows (or None) and their token ids ((R,), R <= 16 n: a
+    last tile past the vocabulary is cut; the module's outputs past R are padding)."""
+    from ..kernels import QLinear
+    from ..kernels.gguf_quant import QCode, code_tiles
+
+    rows = (tiles[:, None] * 16 + torch.arange(16)).reshape(-1)
+    rows = rows[rows < vocab]  # (R,)
+    bias = None if head.bias is None else head.bias.detach().index_select(0, rows)
+    if isinstance(head, QLinear):
+        c = code_tiles(QCode(head.q, head.scale, head.minv if head.minv.numel() else None, head.group, head.bits),
+                       tiles, vocab)
+        part = QLinear(c.q, c.scale, c.minv, c.group, c.bits)
+        part.act_bits = head.act_bits
+    else:
+        part = nn.Linear(head.in_features, len(rows), bias=False, device="meta")
+        part.weight = nn.Parameter(head.weight.detach().index_select(0, rows), requires_grad=False)
+    return part, bias, rows
 
 
 def restrict_vocab(model: Transformer, keep: int, also: set[int]) -> bool:
@@ -501,7 +571,7 @@ def restrict_vocab(model: Transformer, keep: int, also: set[int]) -> bool:
             if bias is not None:
                 part.bias = nn.Parameter(bias, requires_grad=False)
         parts.append(part)
-    model.lm_head = VocabSubset(parts, ranges, V)
+    model.lm_head = VocabSubset(parts, ranges, V, full=head)
     return True
 
 
