@@ -843,7 +843,8 @@ def test_packed_rows_equal_the_padded_pass(kernels, tree):
 def test_fused_stack_gives_the_module_loop_bits(tmp_path, monkeypatch, qtypes):
     """A K-quant model's short forwards run its decoder layers in one compiled call (``Stack``): logits, taps
     and cache are the module loop's bit for bit — one token, a verification pass of several rows with ragged
-    prefixes, a token tree, a subset of the layers (layer skipping), inner layers' outputs (EAGLE-3) — and
+    prefixes, a token tree, packed rows (rows feeding fewer tokens than others), a subset of the layers (layer
+    skipping), inner layers' outputs (EAGLE-3) — and
     the plan follows the weights: a projection replaced, or the model converted, rebuilds it; a copy builds
     its own. A model with a dense projection keeps the loop."""
     from draftwise.kernels import extension
@@ -872,7 +873,11 @@ def test_fused_stack_gives_the_module_loop_bits(tmp_path, monkeypatch, qtypes):
         outs.append(m.forward(x, cache, logits_for="all", **kw))
         cache.set_lengths([len(p) + 1 for p in ctx])
         outs.append(m.forward(x, cache, attn_mask=mask, **kw))
-        return [t for o in outs for t in (o.logits, o.taps) if t is not None], cache
+        cache.set_lengths([len(p) + 1 for p in ctx])
+        outs.append(m.forward(x, cache, lengths=[5, 2], **kw))  # packed rows: a row drafted fewer tokens
+        cache.set_lengths([len(p) + 1 for p in ctx])
+        outs.append(m.forward(x, cache, attn_mask=mask, lengths=[4, 5], **kw))  # packed, and a tree
+        return [t for o in outs for t in (o.logits, o.taps, o.hidden) if t is not None], cache
 
     for kw in ({}, {"layers": (0,)}, {"taps": (0, 1)}):  # all layers, one of them, inner layers' outputs too
         (fused, cf), (loop, cl) = run(True, **kw), run(False, **kw)

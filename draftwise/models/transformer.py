@@ -332,13 +332,13 @@ class Transformer(WatchedModule):
         if packed is not None:
             h = packed.pack(h)  # (N, D): the real tokens only, up to the LM head
         tapped: dict[int, torch.Tensor] = {}
-        stack = self._stack() if T <= EXACT_MAX_T and packed is None and h.dtype == torch.float32 \
-            and cache.k.dtype == torch.float32 else None
+        stack = self._stack() if T <= EXACT_MAX_T and h.dtype == torch.float32 and cache.k.dtype == torch.float32 \
+            else None
         if stack is not None:  # the same kernels in one call (kernels/csrc/bindings/stack.cpp)
             vis, nvis = (tree.vis, tree.nvis) if tree is not None else (_NONE, _NONE)
             ids = list(range(len(self.layers)) if layers is None else layers)
             h, outs = stack.run(h, cos.contiguous(), sin.contiguous(), cache.k, cache.v, start, vis, nvis, ids,
-                                list(taps))
+                                list(taps), _NONE if packed is None else packed.index)
             tapped.update(zip([i for i in ids if i in taps], outs))
         else:
             h = self._layers(h, cos, sin, cache, start, tree, packed, T, layers, taps, tapped)

@@ -88,31 +88,45 @@ class Stack {
     }
   }
 
-  // h: (B, T, D) f32 (not modified); cos/sin: (B, T, hd); k, v: (layers, rows >= B, nkv, cap, hd) f32, the
-  // caches of rows 0..B-1; start[b]: row b's cached length; vis / nvis: a tree's visibility or empty; ids: the
-  // layers to run, in order; taps: the layers whose output (the residual stream) is returned too. Returns the
-  // residual stream after them, (B, T, D), and one (B, T, D) copy per layer of taps that ran, in the order run.
+  // h: (B, T, D) f32 (not modified), or (N, D) with index; cos/sin: (B, T, hd); k, v: (layers, rows >= B, nkv,
+  // cap, hd) f32, the caches of rows 0..B-1; start[b]: row b's cached length; vis / nvis: a tree's visibility or
+  // empty; ids: the layers to run, in order; taps: the layers whose output (the residual stream) is returned too;
+  // index: empty, or packed rows (transformer.py Packing: the N real tokens' flat positions in the (B, T) batch,
+  // (N,) int64) — the projections and MLPs run on those N tokens, attention on the padded layout, zeros at the
+  // padding positions, exactly as Packing's pack / unpack. Returns the residual stream after the layers, shaped
+  // as h, and one copy of it per layer of taps that ran, in the order run.
   std::tuple<torch::Tensor, std::vector<torch::Tensor>> run(
       torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
       std::vector<int64_t> start, torch::Tensor vis, torch::Tensor nvis, std::vector<int64_t> ids,
-      std::vector<int64_t> taps) {
-    TORCH_CHECK(h.dim() == 3 && h.scalar_type() == torch::kFloat32, "Stack.run: h (B, T, D) f32");
+      std::vector<int64_t> taps, torch::Tensor index) {
+    const bool packed = index.numel() > 0;
+    TORCH_CHECK(h.dim() == (packed ? 2 : 3) && h.scalar_type() == torch::kFloat32,
+                "Stack.run: h (B, T, D), or (N, D) with index, f32");
+    TORCH_CHECK(cos.dim() == 3, "Stack.run: cos (B, T, hd)");
+    TORCH_CHECK(!packed || (index.scalar_type() == torch::kInt64 && index.dim() == 1 && index.size(0) == h.size(0)),
+                "Stack.run: index (N,) int64, one per row of h");
     TORCH_CHECK(k.dim() == 5 && v.dim() == 5 && k.size(0) == (int64_t)layers_.size() && v.size(0) == k.size(0),
                 "Stack.run: k, v (layers, rows, nkv, cap, hd)");
-    const int64_t B = h.size(0), T = h.size(1), D = h.size(2);
+    const int64_t B = cos.size(0), T = cos.size(1), D = h.size(-1);
+    TORCH_CHECK(packed || (h.size(0) == B && h.size(1) == T), "Stack.run: h and cos disagree on (B, T)");
     py::gil_scoped_release nogil;  // ~10-30 ms of kernels: a server's other threads go on
-    torch::Tensor x = h.contiguous().clone();  // (B, T, D): the residual stream, this call's own
+    torch::Tensor x = h.contiguous().clone();  // (B, T, D) or (N, D): the residual stream, this call's own
+    const int64_t M = x.numel() / D;           // rows through the projections: B T, or N
     std::vector<torch::Tensor> tapped;
     for (const int64_t i : ids) {
       TORCH_CHECK(i >= 0 && i < (int64_t)layers_.size(), "Stack.run: layer index out of range");
       const Layer& l = layers_[i];
       torch::Tensor kc = k.select(0, i).narrow(0, 0, B), vc = v.select(0, i).narrow(0, 0, B);
       TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "Stack.run: each layer's cache rows contiguous");
-      torch::Tensor a = rms_norm(x, l.attn_norm, eps_).view({B * T, D});
-      torch::Tensor qkv = project(a, l.qkv).view({B, T, -1});
-      torch::Tensor att = decode_attention(qkv, cos, sin, kc, vc, start, nh_, nkv_, vis, nvis);
-      add_into(x, project(att.view({B * T, -1}), l.o));
-      torch::Tensor m = rms_norm(x, l.mlp_norm, eps_).view({B * T, D});
+      torch::Tensor a = rms_norm(x, l.attn_norm, eps_).view({M, D});
+      torch::Tensor qkv = project(a, l.qkv);  // (M, C)
+      if (packed)  // Packing.unpack: zeros, then the real tokens' rows
+        qkv = torch::zeros({B * T, qkv.size(1)}, qkv.options()).index_copy_(0, index, qkv);
+      torch::Tensor att = decode_attention(qkv.view({B, T, -1}), cos, sin, kc, vc, start, nh_, nkv_, vis, nvis);
+      att = att.view({B * T, -1});
+      if (packed) att = att.index_select(0, index);  // Packing.pack
+      add_into(x, project(att, l.o));
+      torch::Tensor m = rms_norm(x, l.mlp_norm, eps_).view({M, D});
       add_into(x, project(silu_mul(project(m, l.gate_up)), l.down));
       if (std::find(taps.begin(), taps.end(), i) != taps.end()) tapped.push_back(x.clone());
     }
