@@ -26,7 +26,7 @@ import torch
 from .drafters.base import Draft, Drafter, needs_of
 from .errors import InvalidParameterError, PromptTooLongError
 from .models.base import MAX_TREE_TOKENS, CausalLM, is_encoder_decoder
-from .sampling import logits_to_probs, sample, sample_at
+from .sampling import argmax, logits_to_probs, sample, sample_at
 from .sequence import ACCEPTED, BONUS, PLAIN, RECOVERED, Sequence
 from .verify import (VerifyResult, verify_greedy, verify_keyed, verify_sampled, verify_tree_greedy,
                      verify_tree_keyed, verify_tree_sampled)
@@ -163,7 +163,7 @@ class Decoder:
         logits = out.logits[0, -1]  # (V,)
         p = seq.params
         if p.greedy:
-            first = int(logits.argmax())
+            first = int(argmax(logits))
         elif p.seed is not None:
             first = sample_at(logits_to_probs(logits, p), p.seed, 0, seq.uniforms(0, logits.shape[-1]))
         else:

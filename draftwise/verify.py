@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .sampling import sample, sample_at
+from .sampling import argmax, sample, sample_at
 
 
 @dataclass
@@ -55,7 +55,7 @@ class VerifyResult:
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> VerifyResult:
     """target_logits: (k+1, V) — row i scores the token after draft i-1; draft_tokens: (k,)."""
     k = draft_tokens.shape[0]
-    best = target_logits.argmax(-1)  # (k+1,)
+    best = argmax(target_logits)  # (k+1,)
     mismatch = (best[:k] != draft_tokens).nonzero()
     n = int(mismatch[0]) if mismatch.numel() else k
     return VerifyResult(n, draft_tokens[:n].tolist() + [int(best[n])], bonus=n == k)
@@ -152,7 +152,7 @@ def _tree_result(path: list[int], tokens: list[int], last: int, leaf: bool) -> V
 def verify_tree_greedy(target_logits: torch.Tensor, tokens: list[int], parents: list[int]) -> VerifyResult:
     """target_logits: (n+1, V) — row 0 scores the token after the root, row i+1 the token after node i."""
     kids = _children(parents)
-    best = target_logits.argmax(-1).tolist()  # (n+1,)
+    best = argmax(target_logits).tolist()  # (n+1,)
     node, path = -1, []
     while True:
         want = best[node + 1]

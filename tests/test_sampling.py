@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from draftwise.errors import InvalidParameterError
-from draftwise.sampling import SamplingParams, logits_to_probs
+from draftwise.sampling import TOP_CHUNK, SamplingParams, argmax, logits_to_probs, top_indices
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
@@ -35,3 +35,39 @@ def test_temperature_top_k_top_p():
         torch.testing.assert_close(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
     hot = logits_to_probs(logits, SamplingParams(temperature=0.5))
     assert hot[0] > 0.5 and torch.isclose(hot.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("shape", [(151936,), (3, 151936), (2, 2, 8192), (2, 96), (2, 1000)])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_top_indices_are_torch_topks(shape, k):
+    """The two-pass top-k (chunk maxima, then the best chunks) gives torch.topk's indices, largest first — also
+    where the largest values crowd into one chunk or most of a row is -inf (a restricted draft head); small or
+    odd vocabularies go to torch.topk itself."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(shape, generator=g)
+    assert torch.equal(top_indices(x, k), torch.topk(x, k).indices)
+    if shape[-1] % TOP_CHUNK == 0:
+        y = x.clone()
+        y[..., 5 * TOP_CHUNK:5 * TOP_CHUNK + k] += 100.0  # all k best in one chunk
+        assert torch.equal(top_indices(y, k), torch.topk(y, k).indices)
+        z = torch.full(shape, float("-inf"))
+        z[..., :2 * TOP_CHUNK] = x[..., :2 * TOP_CHUNK]
+        assert torch.equal(top_indices(z, k), torch.topk(z, k).indices)
+
+
+@pytest.mark.parametrize("shape", [(151936,), (4, 151936), (2, 3, 2048), (2, 96), (5, 1000)])
+def test_argmax_is_torch_argmax_ties_and_nan_included(shape):
+    """Every greedy choice takes ``argmax``: it must be torch.argmax bit for bit, the first of equal maxima
+    (within a chunk and across chunks) and NaN counted as the largest."""
+    g = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(shape, generator=g)
+    assert torch.equal(argmax(x), x.argmax(-1))
+    V = shape[-1]
+    y = x.clone()
+    y[..., V - 1] = y[..., V // 2] = y[..., 3] = y[..., 4] = 100.0  # ties: in one chunk, and across chunks
+    assert torch.equal(argmax(y), y.argmax(-1)) and (argmax(y) == 3).all()
+    y[..., V // 2 + 1] = float("nan")
+    assert torch.equal(argmax(y), y.argmax(-1))
+    z = torch.full(shape, float("-inf"))
+    z[..., V // 3] = 0.0
+    assert torch.equal(argmax(z), z.argmax(-1))

@@ -8,7 +8,7 @@ import torch
 from ..errors import IncompatibleModelsError, InvalidParameterError
 from ..models.base import CausalLM, is_encoder_decoder
 from ..models.transformer import VocabSubset
-from ..sampling import logits_to_probs, sample, sample_at
+from ..sampling import logits_to_probs, sample, sample_at, top_indices
 from ..sequence import Sequence
 from .base import Draft
 from .registry import Method, register
@@ -82,7 +82,7 @@ class DraftModelDrafter:
         for j in range(K):
             for i, s in enumerate(seqs):
                 if s.params.greedy:
-                    top = step_logits[i].topk(W).indices.tolist()
+                    top = top_indices(step_logits[i], W).tolist()
                     tokens[i, j], alt = top[0], top[1:]
                 elif s.params.seed is not None:  # coupled draw: the target's keyed noise at that position
                     q = logits_to_probs(step_logits[i], s.params)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidParameterError
+from ..sampling import top_indices
 from ..sequence import Sequence
 from .base import Draft, StatelessDrafter, trie
 from .registry import Method, register
@@ -132,7 +133,7 @@ class NASDDrafter(StatelessDrafter):
         st: _Storage = seq.drafter_state
         if self.top_k <= 0:
             return
-        top = torch.topk(target_logits, min(self.top_k, target_logits.shape[-1]), dim=-1).indices  # (n+1, k)
+        top = top_indices(target_logits, min(self.top_k, target_logits.shape[-1]))  # (n+1, k)
         weights = [self.filler_weight / (r + 1) for r in range(top.shape[1])]
         toks = seq.lookup_context
         off = len(toks) - len(seq.tokens)  # the source before the tokens (encoder-decoder), else 0
