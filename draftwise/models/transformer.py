@@ -48,6 +48,16 @@ class Linear(nn.Linear):
         if not self.weight.is_meta:
             super().reset_parameters()
 
+    @classmethod
+    def frozen(cls, w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
+        """A linear holding the weight w (N, K) and bias b (N,) themselves (views stay views): no
+        initialisation, no gradients."""
+        lin = cls(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        if b is not None:
+            lin.bias = nn.Parameter(b, requires_grad=False)
+        return lin
+
 
 class RMSNorm(WatchedModule):
     def __init__(self, dim: int, eps: float):
@@ -530,8 +540,7 @@ def _head_tiles(head: nn.Module, tiles: torch.Tensor, vocab: int) -> tuple[nn.Mo
         part = QLinear(c.q, c.scale, c.minv, c.group, c.bits)
         part.act_bits = head.act_bits
     else:
-        part = nn.Linear(head.in_features, len(rows), bias=False, device="meta")
-        part.weight = nn.Parameter(head.weight.detach().index_select(0, rows), requires_grad=False)
+        part = Linear.frozen(head.weight.detach().index_select(0, rows))
     return part, bias, rows
 
 
@@ -566,10 +575,7 @@ def restrict_vocab(model: Transformer, keep: int, also: set[int]) -> bool:
             part = QLinear(c.q, c.scale, c.minv, c.group, c.bits, bias)
             part.act_bits = head.act_bits
         else:
-            part = nn.Linear(head.in_features, b - a, bias=bias is not None, device="meta")
-            part.weight = nn.Parameter(head.weight[a:b], requires_grad=False)
-            if bias is not None:
-                part.bias = nn.Parameter(bias, requires_grad=False)
+            part = Linear.frozen(head.weight[a:b], bias)
         parts.append(part)
     model.lm_head = VocabSubset(parts, ranges, V, full=head)
     return True
@@ -587,12 +593,7 @@ def _linear(sd: dict[str, torch.Tensor], name: str, dtype: torch.dtype, bias: st
         return QLinear(sd[name + ".q"], sd[name + ".scale"], sd.get(name + ".minv"), group, bits, b)
     if storage is not None and sd[name].shape[1] % 16 == 0:
         return QLinear.dense(sd[name].to(storage), b)
-    w = sd[name].to(dtype)
-    lin = Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
-    lin.weight = nn.Parameter(w, requires_grad=False)
-    if b is not None:
-        lin.bias = nn.Parameter(b.to(dtype), requires_grad=False)
-    return lin
+    return Linear.frozen(sd[name].to(dtype), None if b is None else b.to(dtype))
 
 
 # projections stored fused by the GGUF conversion (models/loading.py prefuse): runs ".0", ".1", ... of parts
@@ -632,12 +633,8 @@ def _fuse(parts: list[nn.Module]) -> nn.Module:
             merged[-1] = QLinear(torch.cat([prev.q, m.q]), torch.cat([prev.scale, m.scale]), cat(prev.minv, m.minv),
                                  m.group, m.bits, None if m.bias is None else torch.cat([prev.bias, m.bias]))
         else:
-            w = torch.cat([prev.weight, m.weight])
-            lin = Linear(w.shape[1], w.shape[0], bias=m.bias is not None, device="meta")
-            lin.weight = nn.Parameter(w, requires_grad=False)
-            if m.bias is not None:
-                lin.bias = nn.Parameter(torch.cat([prev.bias, m.bias]), requires_grad=False)
-            merged[-1] = lin
+            merged[-1] = Linear.frozen(torch.cat([prev.weight, m.weight]),
+                                       None if m.bias is None else torch.cat([prev.bias, m.bias]))
     return merged[0] if len(merged) == 1 else Concat(merged)
 
 
