@@ -319,3 +319,68 @@ def test_a_kept_converted_copy_holds_the_k_quant_code(tmp_path, monkeypatch):
     logits = [m.model.forward(ids, m.model.new_cache(1, 16)).logits for m in (fresh, kept, again)]
     assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
     assert {m.bits for m in again.model.modules() if isinstance(m, QLinear)} <= set(KQ_BITS)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_prefetch_level_changes_no_bit(qtype):
+    """Prefetching a format's codes into L2 instead of L1 (kernels._tune_prefetch) moves speed only: every
+    path and row count (one pass, several passes over a tile) gives the same bits either way."""
+    N, K = 48, 512
+    raw = torch.from_numpy(random_blocks(qtype, N, K, seed=5).reshape(-1).copy())
+    ext, fmt = extension(), TID[qtype]
+    w = ext.kq_pack(raw, fmt, N, K, torch.empty(0, dtype=torch.uint8))
+    before = ext.kq_prefetch_l2(fmt)
+    try:
+        for rows in (1, 3, 9, 17):
+            x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+            outs = []
+            for l2 in (False, True):
+                ext.set_kq_prefetch_l2(fmt, l2)
+                assert ext.kq_prefetch_l2(fmt) is l2
+                for isa in available_isas():
+                    with using_isa(isa):
+                        outs.append(ext.qmm_kq(x, w, fmt, N))
+            assert all(torch.equal(o, outs[0]) for o in outs), rows
+    finally:
+        ext.set_kq_prefetch_l2(fmt, before)
+    with pytest.raises(RuntimeError, match="format"):
+        ext.set_kq_prefetch_l2(13, True)
+
+
+def test_prefetch_tuning_takes_l2_only_where_measured_faster(tmp_path, monkeypatch):
+    """_tune_prefetch: a format prefetches into L2 only when that timed PREFETCH_MARGIN faster; the verdict
+    is cached per build and CPU and applied from the cache by the next process (no timing then)."""
+    import draftwise.kernels as K
+
+    ext = extension()
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path))
+    times = {12: {"l1": 1.0, "l2": 0.97}, 14: {"l1": 1.0, "l2": 0.8}}  # Q4_K 3 % faster: not enough
+    calls = []
+
+    def fake(ext_, fmt):
+        calls.append(fmt)
+        return times[fmt]
+
+    monkeypatch.setattr(K, "_time_prefetch", fake)
+    before = {f: ext.kq_prefetch_l2(f) for f in (12, 14)}
+    try:
+        K._tune_prefetch(ext)
+        assert (ext.kq_prefetch_l2(12), ext.kq_prefetch_l2(14)) == (False, True) and sorted(calls) == [12, 14]
+        assert K.kernel_info()["prefetch_l2"] == ["Q6_K"]
+        ext.set_kq_prefetch_l2(14, False)
+        K._tune_prefetch(ext)  # from the cache
+        assert ext.kq_prefetch_l2(14) is True and len(calls) == 2
+    finally:
+        for f, v in before.items():
+            ext.set_kq_prefetch_l2(f, v)
+
+
+def test_time_prefetch_measures_both_levels_and_restores():
+    """The timing itself on a small last-level cache (a quick call): both levels timed, the setting restored."""
+    import draftwise.kernels as K
+
+    ext = extension()
+    before = ext.kq_prefetch_l2(14)
+    got = K._time_prefetch(ext, 14)
+    assert set(got) == {"l1", "l2"} and all(0 < t < 10 for t in got.values())
+    assert ext.kq_prefetch_l2(14) is before

@@ -305,6 +305,11 @@ def extension():
                     _tune_multi(_ext)
                 except Exception as e:  # an unwritable cache, ...: the default path for every call
                     log.warning("draftwise: kernel path tuning skipped (%s: %s)", type(e).__name__, e)
+            if settings.tune_kernels():
+                try:
+                    _tune_prefetch(_ext)
+                except Exception as e:  # as above: prefetching into L1, as before any tuning
+                    log.warning("draftwise: kernel prefetch tuning skipped (%s: %s)", type(e).__name__, e)
     return _ext
 
 
@@ -390,6 +395,71 @@ def _tune_multi(ext) -> None:
         _save_cache(cache, {"multi": choice, "default": default, "seconds": times, "signature": sig})
     if choice != default and choice in paths:
         ext.set_isa_multi(choice)
+
+
+PREFETCH_FORMATS = {"Q4_K": 12, "Q6_K": 14}  # the formats of the GGUF K-quant models (Q4_K_M, Q5_K_M's Q6_K, ...)
+PREFETCH_MARGIN = 0.05  # a format's codes are prefetched into L2 only when that is this much faster
+
+
+def _tune_prefetch(ext) -> None:
+    """Where the vector kernels prefetch each K-quant format's codes: the first-level cache (as everywhere
+    before this was measured) or the second. One-token decoding streams every weight from memory once, and
+    how fast a format's codes stream depends on that choice differently per CPU: on AMD Zen 4 Q6_K's three
+    code streams per super-block ran at ~19 GB/s into L1 and ~27 GB/s into L2, while Q4_K's one stream was
+    slower into L2. So each format is timed both ways on one row over a matrix well beyond the last-level
+    cache (the memory-bound call), and L2 is taken where it is ``PREFETCH_MARGIN`` faster. A hint only: the
+    same bits either way. Cached like ``_tune_multi``; ``DRAFTWISE_TUNE=0`` keeps L1 for every format."""
+    import json
+
+    cache, sig = _machine_cache(ext, "prefetch", str(torch.get_num_threads()))
+    try:
+        choice = {int(f): bool(v) for f, v in json.loads(cache.read_text())["l2"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        times = {name: _time_prefetch(ext, fmt) for name, fmt in PREFETCH_FORMATS.items()}
+        choice = {fmt: times[name]["l2"] < (1 - PREFETCH_MARGIN) * times[name]["l1"]
+                  for name, fmt in PREFETCH_FORMATS.items()}
+        _save_cache(cache, {"l2": {str(f): v for f, v in choice.items()}, "seconds": times, "signature": sig})
+    for fmt, l2 in choice.items():
+        if fmt in PREFETCH_FORMATS.values():
+            ext.set_kq_prefetch_l2(fmt, l2)
+
+
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache's size as Linux reports it (0 where it does not)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = f.read_text().strip().upper()
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=0)
+
+
+def _time_prefetch(ext, fmt: int) -> dict[str, float]:
+    """Seconds of a one-row call of format ``fmt`` over a matrix of 3x the last-level cache (96-256 MB of
+    codes, zero bytes: the kernel's time does not depend on the values), the best of 5 with each choice of
+    prefetch level, alternated; the format's setting is restored."""
+    import time
+
+    K = 4096
+    row = {12: 144, 14: 210}[fmt] * K // 256  # GGUF bytes of one weight row of K values (super-blocks of 256)
+    want = min(max(3 * _last_level_cache_bytes(), 96 << 20), 256 << 20)
+    N = max(16, want // row // 16 * 16)
+    w = ext.kq_pack(torch.zeros(N * row, dtype=torch.uint8), fmt, N, K, torch.empty(0, dtype=torch.uint8))
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(0))  # (1, K)
+    before = ext.kq_prefetch_l2(fmt)
+    best = {"l1": float("inf"), "l2": float("inf")}
+    try:
+        for rnd in range(6):  # round 0 warms up (the fresh codes' page faults, the threads)
+            for level in ("l1", "l2"):
+                ext.set_kq_prefetch_l2(fmt, level == "l2")
+                t0 = time.perf_counter()
+                ext.qmm_kq(x, w, fmt, N)
+                if rnd:
+                    best[level] = min(best[level], time.perf_counter() - t0)
+    finally:
+        ext.set_kq_prefetch_l2(fmt, before)
+    return best
 
 
 def _time_paths(ext, paths: list[str], rows: int = 8) -> dict[str, float]:
@@ -522,6 +592,7 @@ def kernel_info() -> dict:
             "activations": "fp32" if activation_bits() == 32 else "int8"}
     if ext is not None:
         info["cpu_features"] = ext.cpu_features().split()
+        info["prefetch_l2"] = [n for n, f in PREFETCH_FORMATS.items() if ext.kq_prefetch_l2(f)] or "none"
         amx = amx_info()
         info["amx"] = amx["state"] + (f": {amx['reason']}" if amx["reason"] else "")
     else:

@@ -427,6 +427,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available_isas", &available_isas, "paths compiled in and supported by this CPU, lowest first");
   m.def("isa_table", &isa_table, "every path of core/paths.def, compiled in or not: (name, family, rank)");
   m.def("cpu_features", &cpu_features, "CPU features found by cpuid / getauxval");
+  m.def("kq_prefetch_l2", [](int64_t fmt) { kq_check_format("kq_prefetch_l2", fmt, 256); return dw::kq_prefetch_l2((int)fmt); },
+        "whether the vector kernels prefetch this format's codes into L2 (else L1)");
+  m.def("set_kq_prefetch_l2", [](int64_t fmt, bool l2) { kq_check_format("set_kq_prefetch_l2", fmt, 256); dw::kq_set_prefetch_l2((int)fmt, l2); },
+        "prefetch this format's codes into L2 (true) or L1 (false): speed only, the same bits");
   m.def("amx_status", &amx_status, "(state, reason) of the AMX path");
   m.def("amx_verify", &amx_verify, "the AMX tile kernel against the reference in a forked child: (identical, reason)");
   m.def("amx_set_verdict", [](bool ok, const std::string& reason) { dw::amx_set_verdict(ok, reason); },

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "arch/x86/amx.h"  // amx_usable
+#include "core/kquant.h"  // kq_format_bit
 #include "core/qmm.h"
 
 #if defined(__aarch64__) && defined(__linux__)
@@ -192,6 +193,18 @@ const IsaOps* path_by_name(const char* name) {
   for (const Path& p : kPaths)
     if (!std::strcmp(p.name, name)) return usable(p) ? p.ops() : nullptr;
   return nullptr;
+}
+
+namespace {
+std::atomic<uint32_t> g_kq_pf_l2{0};  // bit kq_format_bit(fmt): that format's codes are prefetched into L2
+}  // namespace
+
+bool kq_prefetch_l2(int fmt) { return (g_kq_pf_l2.load(std::memory_order_relaxed) >> kq_format_bit(fmt)) & 1u; }
+
+void kq_set_prefetch_l2(int fmt, bool l2) {
+  const uint32_t bit = 1u << kq_format_bit(fmt);
+  if (l2) g_kq_pf_l2.fetch_or(bit);
+  else g_kq_pf_l2.fetch_and(~bit);
 }
 
 const IsaOps* active() {

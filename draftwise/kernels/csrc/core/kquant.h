@@ -82,6 +82,22 @@ enum KqFormat : int { kKq4 = 12, kKq6 = 14, kKb40 = 102, kKb41 = 103, kKb50 = 10
 constexpr int64_t KB = 32;  // values per block of the block formats
 inline bool kq_is_block(int fmt) { return fmt == kKb40 || fmt == kKb41 || fmt == kKb50 || fmt == kKb80; }
 inline bool kq_valid(int fmt) { return fmt == kKq4 || fmt == kKq6 || kq_is_block(fmt); }
+// Where the vector kernels prefetch a format's codes: the core's first-level cache (the default) or, where
+// the format's bit is set, the second (L2). A hint: it moves speed, never a bit. On AMD Zen 4 the Q6_K
+// kernel's three code streams a super-block stream at about half Q4_K's bandwidth when prefetched into L1 and
+// at ~1.5x that into L2; set per machine from a measurement (kernels._tune_prefetch).
+inline int kq_format_bit(int fmt) {
+  switch (fmt) {
+    case kKq4: return 0;
+    case kKq6: return 1;
+    case kKb40: return 2;
+    case kKb41: return 3;
+    case kKb50: return 4;
+    default: return 5;
+  }
+}
+bool kq_prefetch_l2(int fmt);
+void kq_set_prefetch_l2(int fmt, bool l2);
 inline int64_t kq_block_values(int fmt) { return kq_is_block(fmt) ? KB : QK; }
 // GGUF bytes of one block (= one column's bytes per tile block)
 inline int64_t kq_gguf_block(int fmt) {
