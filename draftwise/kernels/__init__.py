@@ -397,18 +397,21 @@ def _tune_multi(ext) -> None:
         ext.set_isa_multi(choice)
 
 
-PREFETCH_FORMATS = {"Q4_K": 12, "Q6_K": 14}  # the formats of the GGUF K-quant models (Q4_K_M, Q5_K_M's Q6_K, ...)
-PREFETCH_MARGIN = 0.05  # a format's codes are prefetched into L2 only when that is this much faster
+# every format the K-quant kernel computes: its id and GGUF bytes per block of values
+PREFETCH_FORMATS = {"Q4_K": 12, "Q6_K": 14, "Q4_0": 102, "Q4_1": 103, "Q5_0": 106, "Q8_0": 108}
+_BLOCK_BYTES = {12: (256, 144), 14: (256, 210), 102: (32, 18), 103: (32, 20), 106: (32, 22), 108: (32, 34)}
+PREFETCH_MARGIN = 0.08  # a format's codes are prefetched into L2 only when that is this much faster (Q4_K on Zen 4: 4-6 %, either way by shape)
 
 
 def _tune_prefetch(ext) -> None:
-    """Where the vector kernels prefetch each K-quant format's codes: the first-level cache (as everywhere
-    before this was measured) or the second. One-token decoding streams every weight from memory once, and
-    how fast a format's codes stream depends on that choice differently per CPU: on AMD Zen 4 Q6_K's three
-    code streams per super-block ran at ~19 GB/s into L1 and ~27 GB/s into L2, while Q4_K's one stream was
-    slower into L2. So each format is timed both ways on one row over a matrix well beyond the last-level
-    cache (the memory-bound call), and L2 is taken where it is ``PREFETCH_MARGIN`` faster. A hint only: the
-    same bits either way. Cached like ``_tune_multi``; ``DRAFTWISE_TUNE=0`` keeps L1 for every format."""
+    """Where the vector kernels prefetch each format's codes: the first-level cache (as everywhere before
+    this was measured) or the second. One-token decoding streams every weight from memory once, and how fast
+    a format's codes stream depends on that choice differently per CPU and format: on AMD Zen 4 Q6_K's three
+    code streams per super-block ran at ~19 GB/s into L1 and ~27 GB/s into L2, Q5_0 and Q8_0 (the 0.5B draft
+    model's) 1.2-1.4x faster into L2, while Q4_K gained nothing. So each format is timed both ways on one row
+    over a matrix well beyond the last-level cache (the memory-bound call), and L2 is taken where it is
+    ``PREFETCH_MARGIN`` faster. A hint only: the same bits either way. Cached like ``_tune_multi``;
+    ``DRAFTWISE_TUNE=0`` keeps L1 for every format."""
     import json
 
     cache, sig = _machine_cache(ext, "prefetch", str(torch.get_num_threads()))
@@ -441,8 +444,9 @@ def _time_prefetch(ext, fmt: int) -> dict[str, float]:
     prefetch level, alternated; the format's setting is restored."""
     import time
 
-    K = 4096
-    row = {12: 144, 14: 210}[fmt] * K // 256  # GGUF bytes of one weight row of K values (super-blocks of 256)
+    K = 1536  # a 1.5B model's hidden size: the tiles' length matters (Zen 4's Q4_K: L2 slower at 1536, faster at 4864)
+    values, nbytes = _BLOCK_BYTES[fmt]
+    row = K // values * nbytes  # GGUF bytes of one weight row of K values
     want = min(max(3 * _last_level_cache_bytes(), 96 << 20), 256 << 20)
     N = max(16, want // row // 16 * 16)
     w = ext.kq_pack(torch.zeros(N * row, dtype=torch.uint8), fmt, N, K, torch.empty(0, dtype=torch.uint8))
