@@ -86,6 +86,40 @@ def test_chooses_by_cost_and_measured_acceptance(tiny_target):
     assert auto.chosen[NONE] > 30 and s.output_ids == ref.output_ids
 
 
+class Counting(Fixed):
+    """Fixed, counting its proposal calls."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.calls = 0
+
+    def propose(self, seqs, ks):
+        self.calls += 1
+        return super().propose(seqs, ks)
+
+
+def test_a_free_child_that_cannot_win_proposes_only_to_stay_measured(tiny_target):
+    """Where no depth can pay (every verified token costs a pass, or a drafted token costs 0.2 of one and the
+    child's acceptance fell near 0), a free child proposes only every PROBE_EVERY-th step (its acceptance still measured then); where drafting
+    pays it proposes at every step. Output is plain decoding's either way."""
+    from draftwise.drafters.auto import PROBE_EVERY
+
+    params = SamplingParams(max_tokens=40)
+    ref = run(tiny_target, None, [PROMPTS[0]], params)[0]
+    full = list(PROMPTS[0]) + ref.output_ids
+    for cost, child, every_step in ((flat, Counting(reference=full), True), (linear, Counting(reference=full), False),
+                                    (lambda T: 1.0 + 0.2 * (T - 1), Counting(token=(full[-1] + 1) % 64), False)):
+        auto = AutoDrafter({"c": child}, cost)
+        s = run(tiny_target, auto, [PROMPTS[0]], params, gamma=4)[0]
+        assert s.output_ids == ref.output_ids
+        steps = auto._steps
+        assert child.calls + auto.skipped["c"] == steps
+        if every_step:
+            assert auto.skipped["c"] == 0 and s.stats.mean_accepted_length > 3.5
+        else:  # a useless child: after its first misses only the probes (a quarter of the steps, and a few)
+            assert child.calls <= steps // PROBE_EVERY + 6 and auto.skipped["c"] > 0
+
+
 def zen5() -> PassCosts:
     """The 1.5B's measured pass-cost shape on AVX512-VNNI (bench-forward: T = 1, 2, 4, 8, 16, 32; the sizes
     auto measures, 3 / 5 / 9, in between), interpolated as the real cost model does."""

@@ -8,7 +8,12 @@ Children are ordinary drafters behind the same protocol, of two kinds:
   proposes at every step; only the chosen proposal is verified, but all of them are scored afterwards
   against the tokens the target really emitted (a deterministic draft token x is accepted with probability
   p(x), the chance that the target's own token is x: matching the emitted tokens is an unbiased estimate,
-  greedy or sampled). So the free children's acceptance is measured at every step at no cost.
+  greedy or sampled). So the free children's acceptance is measured at every step at no cost. Cheap is
+  not free, though: a server's step at 8 rows spent ~5 % of its time on proposals it then did not take.
+  So a free child that cannot win this step — at the best acceptance among the rows, no depth up to the
+  deepest asked for beats drafting nothing at the step's start (done = fed = B, the test ``_choose`` makes
+  for the first row) — does not propose, except every ``PROBE_EVERY``-th step, which keeps its acceptance
+  measured (the children catch up with the sequences' tokens at their next proposal).
 - **costly** (a draft model, a draft head): a proposal costs forwards of another model, so it is only
   made when chosen. Its acceptance is measured when it runs; before that an optimistic prior (and the
   pooled estimate from earlier requests) lets it be tried. A draft model starts lazily (its cache is
@@ -73,6 +78,7 @@ NONE = "none"  # the option of drafting nothing this step (plain decoding)
 DRAFT_MODEL_PRIOR = 0.75
 POOL_SHRINK = 8.0  # tries at its prior a costly child's pooled acceptance is shrunk with (``_prior``)
 START_HORIZON = 256  # a costly child's start is spread over at most this many of a row's remaining tokens
+PROBE_EVERY = 4  # a free child that cannot win still proposes (and is scored) at every this many steps
 
 
 @dataclass
@@ -140,6 +146,8 @@ class AutoDrafter:
         self.decay, self.prior_alpha, self.prior_weight = decay, prior_alpha, prior_weight
         self.max_nodes = max_nodes
         self.chosen: dict[str, int] = {NONE: 0, **{n: 0 for n in children}}  # steps per choice
+        self.skipped: dict[str, int] = {n: 0 for n in self.free}  # steps a free child did not propose (_hopeless)
+        self._steps = 0
 
     # ---- child plumbing ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -190,9 +198,27 @@ class AutoDrafter:
             if name in self.free or needs_of(child).state_from_target:
                 self._start_child(seq, name, hidden)
 
+    def _hopeless(self, name: str, seqs: list[Sequence], ks: list[int]) -> bool:
+        """Whether free child ``name`` cannot win this step for any row, judged before it proposes: at the
+        rows' best acceptance, a chain of any depth up to the deepest asked for (the fewest nodes a proposal
+        that deep feeds) does not beat drafting nothing at the step's start. A bound for the first row; a
+        later one sees other rows' choices, which the periodic probe (PROBE_EVERY) leaves room for."""
+        k = max(ks, default=0)
+        if k <= 0:
+            return True
+        alpha = max(s.drafter_state.arms[name].alpha for s in seqs)  # expected_accepted grows with α
+        done = fed = len(seqs)
+        none = done / self.pass_cost(fed)
+        return all((done + expected_accepted(alpha, j)) / self.pass_cost(fed + j) <= none for j in range(1, k + 1))
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        self._steps += 1
+        probe = self._steps % PROBE_EVERY == 0
         proposals: dict[str, list[Draft]] = {}
         for name in self.free:
+            if not probe and self._hopeless(name, seqs, ks):
+                self.skipped[name] += 1
+                continue
             with self._as(seqs, name):
                 proposals[name] = self.children[name].propose(seqs, ks)
         drafts: list[Draft] = []
@@ -208,7 +234,7 @@ class AutoDrafter:
                  for n in self.costly if n in self.start_cost}
         for i, (s, k) in enumerate(zip(seqs, ks)):
             st: _State = s.drafter_state
-            st.proposals = {n: proposals[n][i] for n in self.free}
+            st.proposals = {n: p[i] for n, p in proposals.items()}  # scored in accept: the ones made
             name, depth, gain, nodes = self._choose(st, k, done, fed, start, s.remaining, paid, shape)
             if name in start:
                 start[name] = 0.0  # started for every row below: the rows after this one pay nothing more
@@ -253,8 +279,8 @@ class AutoDrafter:
         if k <= 0:
             return best
         for name in self.free:
-            d = st.proposals[name]
-            if not d.tokens:
+            d = st.proposals.get(name)  # None: it did not propose this step (_hopeless)
+            if d is None or not d.tokens:
                 continue
             alpha = st.arms[name].alpha
             depths = d.depths()
