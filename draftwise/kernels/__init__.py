@@ -305,7 +305,7 @@ def extension():
                     _tune_multi(_ext)
                 except Exception as e:  # an unwritable cache, ...: the default path for every call
                     log.warning("draftwise: kernel path tuning skipped (%s: %s)", type(e).__name__, e)
-            if settings.tune_kernels():
+            if not forced and settings.tune_kernels():
                 try:
                     _tune_prefetch(_ext)
                 except Exception as e:  # as above: prefetching into L1, as before any tuning
@@ -411,7 +411,7 @@ def _tune_prefetch(ext) -> None:
     model's) 1.2-1.4x faster into L2, while Q4_K gained nothing. So each format is timed both ways on one row
     over a matrix well beyond the last-level cache (the memory-bound call), and L2 is taken where it is
     ``PREFETCH_MARGIN`` faster. A hint only: the same bits either way. Cached like ``_tune_multi``;
-    ``DRAFTWISE_TUNE=0`` keeps L1 for every format."""
+    ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``, as there) keeps L1 for every format."""
     import json
 
     cache, sig = _machine_cache(ext, "prefetch", str(torch.get_num_threads()))
