@@ -408,7 +408,7 @@ def _tune_prefetch(ext) -> None:
     this was measured) or the second. One-token decoding streams every weight from memory once, and how fast
     a format's codes stream depends on that choice differently per CPU and format: on AMD Zen 4 Q6_K's three
     code streams per super-block ran at ~19 GB/s into L1 and ~27 GB/s into L2, Q5_0 and Q8_0 (the 0.5B draft
-    model's) 1.2-1.4x faster into L2, while Q4_K gained nothing. So each format is timed both ways on one row
+    model's) 1.1-1.4x faster into L2, while Q4_K gained nothing. So each format is timed both ways on one row
     over a matrix well beyond the last-level cache (the memory-bound call), and L2 is taken where it is
     ``PREFETCH_MARGIN`` faster. A hint only: the same bits either way. Cached like ``_tune_multi``;
     ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``, as there) keeps L1 for every format."""

@@ -85,7 +85,7 @@ inline bool kq_valid(int fmt) { return fmt == kKq4 || fmt == kKq6 || kq_is_block
 // Where the vector kernels prefetch a format's codes: the core's first-level cache (the default) or, where
 // the format's bit is set, the second (L2). A hint: it moves speed, never a bit. On AMD Zen 4 Q6_K's codes
 // (three streams per super-block) streamed at ~19 GB/s prefetched into L1 and ~27 into L2, Q5_0's and Q8_0's
-// 1.2-1.4x faster into L2 too; set per machine and format from a measurement (kernels._tune_prefetch).
+// 1.1-1.4x faster into L2 too; set per machine and format from a measurement (kernels._tune_prefetch).
 inline int kq_format_bit(int fmt) {
   switch (fmt) {
     case kKq4: return 0;
