@@ -397,9 +397,8 @@ def _tune_multi(ext) -> None:
         ext.set_isa_multi(choice)
 
 
-# every format the K-quant kernel computes: its id and GGUF bytes per block of values
-PREFETCH_FORMATS = {"Q4_K": 12, "Q6_K": 14, "Q4_0": 102, "Q4_1": 103, "Q5_0": 106, "Q8_0": 108}
-_BLOCK_BYTES = {12: (256, 144), 14: (256, 210), 102: (32, 18), 103: (32, 20), 106: (32, 22), 108: (32, 34)}
+# GGUF bytes of one block (KQ_BLOCK values) of each format the K-quant kernel computes (gguf_quant.KQ_TYPES)
+_GGUF_BLOCK_BYTES = {12: 144, 14: 210, 102: 18, 103: 20, 106: 22, 108: 34}
 PREFETCH_MARGIN = 0.08  # a format's codes are prefetched into L2 only when that is this much faster (Q4_K on Zen 4: 4-6 %, either way by shape)
 
 
@@ -414,16 +413,17 @@ def _tune_prefetch(ext) -> None:
     ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``, as there) keeps L1 for every format."""
     import json
 
+    from .gguf_quant import KQ_TYPES
+
     cache, sig = _machine_cache(ext, "prefetch", str(torch.get_num_threads()))
     try:
         choice = {int(f): bool(v) for f, v in json.loads(cache.read_text())["l2"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        times = {name: _time_prefetch(ext, fmt) for name, fmt in PREFETCH_FORMATS.items()}
-        choice = {fmt: times[name]["l2"] < (1 - PREFETCH_MARGIN) * times[name]["l1"]
-                  for name, fmt in PREFETCH_FORMATS.items()}
+        times = {name: _time_prefetch(ext, fmt) for name, fmt in KQ_TYPES.items()}
+        choice = {fmt: times[name]["l2"] < (1 - PREFETCH_MARGIN) * times[name]["l1"] for name, fmt in KQ_TYPES.items()}
         _save_cache(cache, {"l2": {str(f): v for f, v in choice.items()}, "seconds": times, "signature": sig})
     for fmt, l2 in choice.items():
-        if fmt in PREFETCH_FORMATS.values():
+        if fmt in KQ_TYPES.values():
             ext.set_kq_prefetch_l2(fmt, l2)
 
 
@@ -445,8 +445,7 @@ def _time_prefetch(ext, fmt: int) -> dict[str, float]:
     import time
 
     K = 1536  # a 1.5B model's hidden size: the tiles' length matters (Zen 4's Q4_K: L2 slower at 1536, faster at 4864)
-    values, nbytes = _BLOCK_BYTES[fmt]
-    row = K // values * nbytes  # GGUF bytes of one weight row of K values
+    row = K // KQ_BLOCK[fmt] * _GGUF_BLOCK_BYTES[fmt]  # GGUF bytes of one weight row of K values
     want = min(max(3 * _last_level_cache_bytes(), 96 << 20), 256 << 20)
     N = max(16, want // row // 16 * 16)
     w = ext.kq_pack(torch.zeros(N * row, dtype=torch.uint8), fmt, N, K, torch.empty(0, dtype=torch.uint8))
@@ -596,7 +595,9 @@ def kernel_info() -> dict:
             "activations": "fp32" if activation_bits() == 32 else "int8"}
     if ext is not None:
         info["cpu_features"] = ext.cpu_features().split()
-        info["prefetch_l2"] = [n for n, f in PREFETCH_FORMATS.items() if ext.kq_prefetch_l2(f)] or "none"
+        from .gguf_quant import KQ_TYPES
+
+        info["prefetch_l2"] = [n for n, f in KQ_TYPES.items() if ext.kq_prefetch_l2(f)] or "none"
         amx = amx_info()
         info["amx"] = amx["state"] + (f": {amx['reason']}" if amx["reason"] else "")
     else:
