@@ -10,7 +10,7 @@
 | `DRAFTWISE_PREFILL`           | kernels                          | `gemm` or `kernel`: force how long prefills run            |
 | `DRAFTWISE_EXACT_ACTIVATIONS` | kernels                          | `1`: fp32 activations for quantized weights (not int8)     |
 | `DRAFTWISE_TUNE`              | kernels                          | `0`: skip timing the kernel paths for multi-row calls and the prefetch level |
-| `DRAFTWISE_DRAFT_VOCAB`       | the draft model                  | its head's tokens: `full` (default), or its first N ids, the special tokens and the context's |
+| `DRAFTWISE_DRAFT_VOCAB`       | the draft model                  | its head's tokens: `auto` (default: 32768 where the head is 20 %+ of its weights), `full`, or its first N ids; with the special tokens and the context's |
 
 ``install.sh`` reads two more, as shell variables at install time only: ``DRAFTWISE_PEERS=1`` (same as
 ``--peers``) and ``DRAFTWISE_PEERS_REBUILD=1`` (rebuild llama-cpp-python).
@@ -90,7 +90,8 @@ def tune_kernels() -> bool:
 
 
 def draft_vocab() -> str | None:
-    """``DRAFTWISE_DRAFT_VOCAB``: ``full`` or a token count for the draft model's head (None: unset, all tokens)."""
+    """``DRAFTWISE_DRAFT_VOCAB``: ``auto``, ``full`` or a token count for the draft model's head (None: unset, which
+    is ``auto``: ``api.draft_head_tokens``)."""
     return _get("DRAFTWISE_DRAFT_VOCAB").lower() or None
 
 

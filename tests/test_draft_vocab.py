@@ -136,18 +136,31 @@ def test_sampled_output_follows_the_target_with_a_restricted_draft():
 
 
 def test_how_many_tokens_the_draft_head_keeps(tiny_gguf, monkeypatch):
-    small, _ = tiny_gguf
+    from dataclasses import replace
 
-    class Big:
-        model, config = small.model, type("C", (), {"vocab_size": 151936})()
+    from draftwise.api import DRAFT_HEAD_SHARE, DRAFT_VOCAB, head_share
+
+    small, _ = tiny_gguf
+    qwen05 = replace(small.config, vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                     num_heads=14, num_kv_heads=2, head_dim=64)
+    qwen15 = replace(qwen05, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, head_dim=128)
+    assert 0.27 < head_share(qwen05) < 0.28 and 0.15 < head_share(qwen15) < 0.16  # 136M of 494M; 233M of 1.54B
+
+    def draft(cfg):
+        return type("D", (), {"model": small.model, "config": cfg})()
 
     monkeypatch.delenv("DRAFTWISE_DRAFT_VOCAB", raising=False)
-    assert draft_head_tokens(small, None) is None
-    assert draft_head_tokens(Big, None) is None  # off by default
+    assert draft_head_tokens(small, None) is None  # 96 tokens: nothing to cut
+    assert draft_head_tokens(draft(qwen05), None) == DRAFT_VOCAB  # auto: the head is 28 % of a token's weights
+    assert head_share(qwen15) < DRAFT_HEAD_SHARE and draft_head_tokens(draft(qwen15), None) is None  # 15 %: whole
+    assert draft_head_tokens(draft(replace(qwen05, vocab_size=2 * DRAFT_VOCAB - 1)), None) is None  # cuts < half
+    Big = draft(qwen05)
     assert draft_head_tokens(Big, "full") is None and draft_head_tokens(Big, 4096) == 4096
+    assert draft_head_tokens(Big, "AUTO") == DRAFT_VOCAB
     assert draft_head_tokens(Big, 10 ** 6) is None  # all of them anyway
     monkeypatch.setenv("DRAFTWISE_DRAFT_VOCAB", "full")
     assert draft_head_tokens(Big, None) is None
+    assert draft_head_tokens(Big, "auto") == DRAFT_VOCAB  # the argument over the environment
     monkeypatch.setenv("DRAFTWISE_DRAFT_VOCAB", "8192")
     assert draft_head_tokens(Big, None) == 8192
     for bad in ("many", "0", -3):

@@ -50,9 +50,15 @@ def measure(dw: SpeculativeDecoder, texts: list[tuple[str, str]], params: Sampli
         rows = []
         with torch.inference_mode():
             logits = {}
+            head, held = getattr(dw.draft.model, "lm_head", None), set()
+            if hasattr(head, "hold"):  # a cut draft head computes the context's tokens too, as when drafting
+                # (here the whole output's at every position; a drafter's grow as it decodes)
+                head.hold(seq, held)
             for name, model in (("p", dw.target.model), ("q", dw.draft.model)):
                 cache = model.new_cache(1, len(seq) + 1)
                 logits[name] = model.forward(torch.tensor([seq]), cache, logits_for="all").logits[0]  # (T, V)
+            if held:
+                head.release(held)
             for i in range(len(out)):
                 t = len(ids) - 1 + i  # scores of the token at output position i
                 p = logits_to_probs(logits["p"][t], params)
