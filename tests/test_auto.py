@@ -9,7 +9,7 @@ import torch
 
 from draftwise.costs import PassCosts
 from draftwise.decode import Decoder, FixedGamma
-from draftwise.drafters.auto import NONE, AutoDrafter, matched_depth
+from draftwise.drafters.auto import NONE, OBSERVE, START_WAIT, AutoDrafter, matched_depth
 from draftwise.drafters.base import Draft, StatelessDrafter
 from draftwise.drafters.draft_model import DraftModelDrafter
 from draftwise.drafters.nasd import NASDDrafter
@@ -243,6 +243,19 @@ def test_a_draft_models_start_is_priced_and_timed(tiny_target, tiny_draft):
     assert st._choose(state, 4, start={"draft": 10.0}, remaining=4)[0] == NONE
     assert st._choose(state, 4, start={"draft": 10.0}, remaining=1000)[0] == "draft"
     assert st._choose(state, 4, start={"draft": 0.0}, remaining=4)[0] == "draft"  # started: no start to pay
+    # a start must also beat what the free options gave the row lately, not only this step's (here nothing):
+    # after steps of ~4 tokens a pass (prompt lookup on a RAG answer) a step without a proposal starts nothing
+    state.free_typical = (40.0, 10 * flat(1))
+    assert st._choose(state, 4, start={"draft": 10.0}, remaining=1000)[0] == NONE
+    assert st._choose(state, 4, start={"draft": 0.0}, remaining=1000)[0] == "draft"  # once started, per step
+    state.free_typical = (10.0, 10 * flat(1))  # lately 1 token a pass (nothing drafted): the start pays
+    assert st._choose(state, 4, start={"draft": 10.0}, remaining=1000)[0] == "draft"
+    # a start dearer than START_WAIT passes (a long prompt's prefill) waits for OBSERVE steps of the row
+    state.steps = 0
+    assert 10.0 > START_WAIT * flat(1) and st._choose(state, 4, start={"draft": 10.0}, remaining=1000)[0] == NONE
+    assert st._choose(state, 4, start={"draft": 1.0}, remaining=1000)[0] == "draft"  # a short prompt's: at once
+    state.steps = OBSERVE
+    assert st._choose(state, 4, start={"draft": 10.0}, remaining=1000)[0] == "draft"
     # in a batch the draft model's forwards run over every row: the first row to choose it pays them (here
     # 20x one row's: not worth it), a later row only depth beyond what is drafted already (here none: free)
     assert st._choose(state, 4, shape=20.0)[0] == NONE

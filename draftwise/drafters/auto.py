@@ -46,6 +46,11 @@ START_HORIZON), the start paying when S < R · (1/rate without it − 1/rate wit
 
 S is the child's seconds per context token (timed at each start; before the first, the caller's
 estimate) times the context lengths of the rows that have not started it (a batch starts it on every row).
+The start must also beat, for the row alone, the rate the free children gave it lately (their best option's
+expected tokens over pass seconds, summed over the steps with weight ``decay`` per step back): otherwise a
+step where prompt lookup has no match would start the draft model on a row where it matches most steps. A
+start dearer than START_WAIT one-token passes (a long prompt's) waits for OBSERVE steps of that history; a
+short prompt's starts at once.
 In a batch a costly child's forwards run over every row, costing about C(B) / C(1) times one row's: the
 first row to choose it pays j · c_child times that, a later row only the depth beyond the deepest chosen.
 
@@ -78,6 +83,10 @@ NONE = "none"  # the option of drafting nothing this step (plain decoding)
 DRAFT_MODEL_PRIOR = 0.75
 POOL_SHRINK = 8.0  # tries at its prior a costly child's pooled acceptance is shrunk with (``_prior``)
 START_HORIZON = 256  # a costly child's start is spread over at most this many of a row's remaining tokens
+# a costly child whose start costs more than START_WAIT one-token passes (a draft model's prefill of a long
+# prompt) starts only once the row has OBSERVE steps of the free children's rates to weigh it against
+START_WAIT = 8.0
+OBSERVE = 4
 PROBE_EVERY = 4  # a free child that cannot win still proposes (and is scored) at every this many steps
 
 
@@ -88,6 +97,10 @@ class _State:
     arms: dict[str, Acceptance] = field(default_factory=dict)
     proposals: dict[str, Draft] = field(default_factory=dict)  # this step's proposals, scored in accept
     chosen: str = NONE
+    # the free options' recent rate for this row alone: decayed sums of the best one's expected tokens and
+    # pass seconds per step (``_free_best``), what a costly child's start must beat (``_choose``)
+    free_typical: tuple[float, float] = (0.0, 0.0)
+    steps: int = 0  # steps this row has been through
 
 
 def matched_depth(draft: Draft, emitted: list[int]) -> tuple[int, int]:
@@ -235,7 +248,13 @@ class AutoDrafter:
         for i, (s, k) in enumerate(zip(seqs, ks)):
             st: _State = s.drafter_state
             st.proposals = {n: p[i] for n, p in proposals.items()}  # scored in accept: the ones made
-            name, depth, gain, nodes = self._choose(st, k, done, fed, start, s.remaining, paid, shape)
+            # this step's best free option for the row alone, while a costly child's start is still to price
+            free1 = self._free_best(st, k) if k > 0 and any(n not in st.started for n in self.costly) else None
+            name, depth, gain, nodes = self._choose(st, k, done, fed, start, s.remaining, paid, shape, free1)
+            st.steps += 1
+            if free1 is not None:
+                t1, s1 = free1
+                st.free_typical = (self.decay * st.free_typical[0] + t1, self.decay * st.free_typical[1] + s1)
             if name in start:
                 start[name] = 0.0  # started for every row below: the rows after this one pay nothing more
             if name in paid:  # the batched draft forwards run this deep now: a later row pays only deeper ones
@@ -268,16 +287,18 @@ class AutoDrafter:
         return drafts
 
     def _choose(self, st: _State, k: int, done: float = 1.0, fed: int = 1, start: dict[str, float] | None = None,
-                remaining: int = START_HORIZON, paid: dict[str, int] | None = None, shape: float = 1.0
-                ) -> tuple[str, int, float, int]:
+                remaining: int = START_HORIZON, paid: dict[str, int] | None = None, shape: float = 1.0,
+                free1: tuple[float, float] | None = None) -> tuple[str, int, float, int]:
         """(child or NONE, depth, expected accepted tokens, nodes fed) maximising the step's rate, given the
         tokens ``done`` and ``fed`` by the rows that chose before, the seconds ``start`` of starting each costly
         child this step, the row's ``remaining`` tokens, and for a batch the depth each costly child drafts
-        already (``paid``) and its batched forward's cost against one row's (``shape``): see ``propose``."""
+        already (``paid``) and its batched forward's cost against one row's (``shape``): see ``propose``.
+        ``free1``: ``_free_best`` of this step, if the caller has it."""
         horizon = max(1, min(remaining, START_HORIZON))
         best, best_rate = (NONE, 0, 0.0, 0), done / self.pass_cost(fed)
         if k <= 0:
             return best
+        typical = None  # the free options' recent rate: computed when a start is priced
         for name in self.free:
             d = st.proposals.get(name)  # None: it did not propose this step (_hopeless)
             if d is None or not d.tokens:
@@ -291,17 +312,52 @@ class AutoDrafter:
                 if rate > best_rate:
                     best, best_rate = (name, j, gain, nodes), rate
         for name in self.costly:
+            dear = (start or {}).get(name, 0.0) > START_WAIT * self.pass_cost(1)
+            if dear and getattr(st, "steps", OBSERVE) < OBSERVE:
+                continue  # a dear start waits until the free options have shown what they do on this row
             arm = st.arms[name]
             width = getattr(self.children[name], "branches", 1)
             for j in range(1, k + 1):
                 nodes = min(j * width, self.max_nodes)
                 gain = arm.pi * expected_accepted(arm.alpha, j)
                 begin = (start or {}).get(name, 0.0) * (1 + gain) / horizon  # its start, spread over the row
+                if begin > 0:  # a start must beat what the free options have done lately, not only this step
+                    typical = self._typical(st, free1 or self._free_best(st, k)) if typical is None else typical
+                    if (1 + gain) / (self.pass_cost(1 + nodes) + j * self.draft_cost[name] + begin) <= typical:
+                        continue
                 drafting = max(0, j - (paid or {}).get(name, 0)) * self.draft_cost[name] * shape
                 rate = (done + gain) / (self.pass_cost(fed + nodes) + drafting + begin)
                 if rate > best_rate:
                     best, best_rate = (name, j, gain, nodes), rate
         return best
+
+    def _free_best(self, st: _State, k: int) -> tuple[float, float]:
+        """(expected tokens, pass seconds) of this step's best free option for the row alone, drafting
+        nothing included: the option of the highest rate (1 + A(j)) / C(1 + nodes)."""
+        costs: dict[int, float] = {}
+        tokens, seconds = 1.0, self.pass_cost(1)
+        for name in self.free:
+            d = st.proposals.get(name)
+            if d is None or not d.tokens:
+                continue
+            alpha, depths = st.arms[name].alpha, d.depths()[:self.max_nodes]
+            for j in range(1, min(k, max(depths)) + 1):
+                gain = expected_accepted(alpha, j)
+                n = 1 + sum(1 for x in depths if x <= j)
+                cost = costs[n] if n in costs else costs.setdefault(n, self.pass_cost(n))
+                if (1 + gain) * seconds > tokens * cost:
+                    tokens, seconds = 1 + gain, cost
+        return tokens, seconds
+
+    def _typical(self, st: _State, free1: tuple[float, float]) -> float:
+        """The rate the free options give this row lately, this step's (``free1``, ``_free_best``) included:
+        the best one's tokens over its pass seconds, each summed over the steps with weight ``decay`` per step
+        back. A costly child's
+        first use must beat it, not only this step's best (``_choose``): a step where prompt lookup has
+        nothing to propose would otherwise start a draft model (a prefill of the whole context) on a row
+        where prompt lookup drafts well on most steps (Spec-Bench RAG: 1.25x slower for it)."""
+        tok, sec = getattr(st, "free_typical", (0.0, 0.0))
+        return (self.decay * tok + free1[0]) / (self.decay * sec + free1[1])
 
     def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,
                path: list[int] | None = None, hidden: torch.Tensor | None = None, draft: Draft | None = None,
