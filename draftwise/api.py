@@ -161,9 +161,8 @@ def draft_head_tokens(d: LoadedModel, option: int | str | None) -> int | None:
     Measured with the 0.5B drafting for the 1.5B, the cut head against the whole one in one process, alternated
     per prompt: AMD Zen 4, code prompts ``draft`` 1.08-1.12x, ``auto`` 1.03-1.07x (medians of two rounds),
     Spec-Bench 1.05x / 1.04x (α 0.77 against 0.79 there); AMD Zen 5 ``draft`` 1.00x on Spec-Bench, 0.98-1.07x on
-    code, ``auto`` 1.02x —
-    the cheaper drafted token (Zen 5: 6.6 ms against 8.5) outweighs the rarer tokens it can no longer propose,
-    more where a drafted token costs more of a target's. Native models only."""
+    code, ``auto`` 1.02x — the cheaper drafted token (Zen 5: 6.6 ms against 8.5) outweighs the rarer tokens it
+    can no longer propose, more where a drafted token costs more of a target's. Native models only."""
     from . import settings
     from .models.transformer import Transformer
 
@@ -177,7 +176,8 @@ def draft_head_tokens(d: LoadedModel, option: int | str | None) -> int | None:
     try:
         keep = int(option)
     except ValueError:
-        raise InvalidParameterError(f"draft vocabulary must be a token count, 'full' or 'auto', got {option!r}") from None
+        raise InvalidParameterError(
+            f"draft vocabulary must be a token count, 'full' or 'auto', got {option!r}") from None
     if keep < 1:
         raise InvalidParameterError(f"draft vocabulary must be at least 1 token, got {keep}")
     return keep if keep < vocab else None

@@ -352,10 +352,10 @@ class AutoDrafter:
     def _typical(self, st: _State, free1: tuple[float, float]) -> float:
         """The rate the free options give this row lately, this step's (``free1``, ``_free_best``) included:
         the best one's tokens over its pass seconds, each summed over the steps with weight ``decay`` per step
-        back. A costly child's
-        first use must beat it, not only this step's best (``_choose``): a step where prompt lookup has
-        nothing to propose would otherwise start a draft model (a prefill of the whole context) on a row
-        where prompt lookup drafts well on most steps (Spec-Bench RAG: 1.25x slower for it)."""
+        back. A costly child's first use must beat it, not only this step's best (``_choose``): a step where
+        prompt lookup has nothing to propose would otherwise start a draft model (a prefill of the whole
+        context) on a row where prompt lookup drafts well on most steps (a 642-token Spec-Bench RAG prompt on
+        AMD Zen 4: 7.6 s against 6.1)."""
         tok, sec = getattr(st, "free_typical", (0.0, 0.0))
         return (self.decay * tok + free1[0]) / (self.decay * sec + free1[1])
 
