@@ -160,7 +160,7 @@ def draft_head_tokens(d: LoadedModel, option: int | str | None) -> int | None:
     of the weights a drafted token reads (Qwen2.5-0.5B: 0.28) and the vocabulary at least twice that, else all.
     Measured with the 0.5B drafting for the 1.5B, the cut head against the whole one in one process, alternated
     per prompt: AMD Zen 4, code prompts ``draft`` 1.08-1.12x, ``auto`` 1.03-1.07x (medians of two rounds),
-    Spec-Bench 1.05x / 1.04x (α 0.77 against 0.79 there); AMD Zen 5 ``draft`` 1.00x on Spec-Bench, 0.98-1.07x on
+    Spec-Bench 1.05-1.06x / 1.04x (α 0.77 against 0.79 there); AMD Zen 5 ``draft`` 1.00x on Spec-Bench, 0.98-1.07x on
     code, ``auto`` 1.02x — the cheaper drafted token (Zen 5: 6.6 ms against 8.5) outweighs the rarer tokens it
     can no longer propose, more where a drafted token costs more of a target's. Native models only."""
     from . import settings
