@@ -9,7 +9,7 @@ import torch
 
 from draftwise.costs import PassCosts
 from draftwise.decode import Decoder, FixedGamma
-from draftwise.drafters.auto import NONE, OBSERVE, START_WAIT, AutoDrafter, matched_depth
+from draftwise.drafters.auto import NONE, OBSERVE, START_WAIT, AutoDrafter, _State, matched_depth
 from draftwise.drafters.base import Draft, StatelessDrafter
 from draftwise.drafters.draft_model import DraftModelDrafter
 from draftwise.drafters.nasd import NASDDrafter
@@ -239,7 +239,7 @@ def test_a_draft_models_start_is_priced_and_timed(tiny_target, tiny_draft):
     # the rule itself: the start (10 s) against what drafting saves over the tokens left to write
     st = AutoDrafter({"draft": DraftModelDrafter(tiny_draft, 1, CAP)}, flat, draft_cost={"draft": 0.1},
                      priors={"draft": 0.9})
-    state = type("S", (), {"arms": {"draft": st._prior("draft")}, "proposals": {}})()
+    state = _State(arms={"draft": st._prior("draft")}, steps=OBSERVE)  # a row some steps in
     assert st._choose(state, 4, start={"draft": 10.0}, remaining=4)[0] == NONE
     assert st._choose(state, 4, start={"draft": 10.0}, remaining=1000)[0] == "draft"
     assert st._choose(state, 4, start={"draft": 0.0}, remaining=4)[0] == "draft"  # started: no start to pay

@@ -299,28 +299,20 @@ class AutoDrafter:
         if k <= 0:
             return best
         typical = None  # the free options' recent rate: computed when a start is priced
-        for name in self.free:
-            d = st.proposals.get(name)  # None: it did not propose this step (_hopeless)
-            if d is None or not d.tokens:
-                continue
-            alpha = st.arms[name].alpha
-            depths = d.depths()
-            for j in range(1, min(k, max(depths)) + 1):
-                nodes = sum(1 for x in depths[:self.max_nodes] if x <= j)
-                gain = expected_accepted(alpha, j)
-                rate = (done + gain) / self.pass_cost(fed + nodes)
-                if rate > best_rate:
-                    best, best_rate = (name, j, gain, nodes), rate
+        for name, j, gain, nodes in self._free_options(st, k):
+            rate = (done + gain) / self.pass_cost(fed + nodes)
+            if rate > best_rate:
+                best, best_rate = (name, j, gain, nodes), rate
         for name in self.costly:
-            dear = (start or {}).get(name, 0.0) > START_WAIT * self.pass_cost(1)
-            if dear and getattr(st, "steps", OBSERVE) < OBSERVE:
+            starting = (start or {}).get(name, 0.0)  # seconds of its start this step (0: started)
+            if starting > START_WAIT * self.pass_cost(1) and st.steps < OBSERVE:
                 continue  # a dear start waits until the free options have shown what they do on this row
             arm = st.arms[name]
             width = getattr(self.children[name], "branches", 1)
             for j in range(1, k + 1):
                 nodes = min(j * width, self.max_nodes)
                 gain = arm.pi * expected_accepted(arm.alpha, j)
-                begin = (start or {}).get(name, 0.0) * (1 + gain) / horizon  # its start, spread over the row
+                begin = starting * (1 + gain) / horizon  # its start, spread over the row
                 if begin > 0:  # a start must beat what the free options have done lately, not only this step
                     typical = self._typical(st, free1 or self._free_best(st, k)) if typical is None else typical
                     if (1 + gain) / (self.pass_cost(1 + nodes) + j * self.draft_cost[name] + begin) <= typical:
@@ -331,22 +323,27 @@ class AutoDrafter:
                     best, best_rate = (name, j, gain, nodes), rate
         return best
 
+    def _free_options(self, st: _State, k: int):
+        """(child, depth j, expected accepted tokens A(j), nodes fed) of each free child's proposal this step,
+        every depth up to ``k``; none for a child that did not propose (``_hopeless``) or proposed nothing."""
+        for name in self.free:
+            d = st.proposals.get(name)
+            if d is None or not d.tokens:
+                continue
+            alpha, depths = st.arms[name].alpha, d.depths()
+            for j in range(1, min(k, max(depths)) + 1):
+                yield name, j, expected_accepted(alpha, j), sum(1 for x in depths[:self.max_nodes] if x <= j)
+
     def _free_best(self, st: _State, k: int) -> tuple[float, float]:
         """(expected tokens, pass seconds) of this step's best free option for the row alone, drafting
         nothing included: the option of the highest rate (1 + A(j)) / C(1 + nodes)."""
         costs: dict[int, float] = {}
         tokens, seconds = 1.0, self.pass_cost(1)
-        for name in self.free:
-            d = st.proposals.get(name)
-            if d is None or not d.tokens:
-                continue
-            alpha, depths = st.arms[name].alpha, d.depths()[:self.max_nodes]
-            for j in range(1, min(k, max(depths)) + 1):
-                gain = expected_accepted(alpha, j)
-                n = 1 + sum(1 for x in depths if x <= j)
-                cost = costs[n] if n in costs else costs.setdefault(n, self.pass_cost(n))
-                if (1 + gain) * seconds > tokens * cost:
-                    tokens, seconds = 1 + gain, cost
+        for _, _, gain, nodes in self._free_options(st, k):
+            n = 1 + nodes
+            cost = costs[n] if n in costs else costs.setdefault(n, self.pass_cost(n))
+            if (1 + gain) * seconds > tokens * cost:
+                tokens, seconds = 1 + gain, cost
         return tokens, seconds
 
     def _typical(self, st: _State, free1: tuple[float, float]) -> float:
@@ -356,7 +353,7 @@ class AutoDrafter:
         prompt lookup has nothing to propose would otherwise start a draft model (a prefill of the whole
         context) on a row where prompt lookup drafts well on most steps (a 642-token Spec-Bench RAG prompt on
         AMD Zen 4: 7.6 s against 6.1)."""
-        tok, sec = getattr(st, "free_typical", (0.0, 0.0))
+        tok, sec = st.free_typical
         return (self.decay * tok + free1[0]) / (self.decay * sec + free1[1])
 
     def accept(self, seq: Sequence, n_before: int, num_accepted: int, target_logits: torch.Tensor, *,
