@@ -404,3 +404,59 @@ def test_tree_bad_branches(tiny_draft):
                  lambda: DraftModelDrafter(tiny_draft, 1, CAP, branches=0)):
         with pytest.raises(InvalidParameterError):
             make()
+
+
+class _Counting:
+    """A model whose forward passes are counted (and the tokens they feed)."""
+
+    def __init__(self, model):
+        self.model, self.passes, self.fed = model, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, input_ids, cache, **kw):
+        self.passes += 1
+        self.fed += input_ids.shape[1]
+        return self.model.forward(input_ids, cache, **kw)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_draft_lookup_drafts_the_same_chains_in_fewer_passes(tiny_target, rows):
+    """A greedy row's draft feeds the tokens its n-gram lookup expects and keeps those the draft itself picks:
+    every draft (greedy, seeded and sampled rows, chains and trees) equals the one drafted token by token, in
+    fewer draft passes where the text repeats (the target as its own draft: its greedy text loops)."""
+    prompts = [PROMPTS[3], PROMPTS[0], PROMPTS[1]][:rows]
+    params = [SamplingParams(max_tokens=60), SamplingParams(temperature=0.8, max_tokens=30, seed=3),
+              SamplingParams(temperature=1.0, max_tokens=30)][:rows]
+    for branches in (1, 2):
+        record = {}
+        for lookup in (False, True):
+            model = _Counting(tiny_target)
+            drafter = DraftModelDrafter(model, rows, CAP, branches=branches, lookup=lookup)
+            drafts = record[lookup] = []
+            inner = drafter.propose
+            drafter.propose = lambda seqs, ks, inner=inner, drafts=drafts: drafts.append(inner(seqs, ks)) or drafts[-1]
+            dec = Decoder(tiny_target, drafter, FixedGamma(5), rows=rows, capacity=CAP)
+            seqs = [Sequence(list(p), prm) for p, prm in zip(prompts, params)]
+            for s in seqs[1:]:
+                s.generator = torch.Generator().manual_seed(7)
+            dec.run(seqs)
+            record[lookup] = ([[(d.tokens, d.parents) for d in step] for step in drafts], model.passes,
+                              [s.output_ids for s in seqs])
+        (off, off_passes, off_out), (on, on_passes, on_out) = record[False], record[True]
+        assert on == off and on_out == off_out, branches
+        assert on_passes < off_passes, (on_passes, off_passes)
+
+
+def test_lookup_expects_the_continuation_of_the_longest_ngram():
+    from draftwise.drafters.draft_model import _Lookup
+
+    look = _Lookup()
+    toks = [5, 6, 7, 8, 9, 6, 7, 1, 2, 5, 6]
+    assert look.expect(toks, [], 3) == [7, 8]  # "5 6" (n = 2; "2 5 6" is new) was followed by 7 8: 2 tokens
+    assert look.expect(toks, [7], 3) == [8, 9, 6]  # with the draft's 7: "5 6 7", 3 tokens
+    assert look.expect(toks, [7], 1) == [8]  # no more than the room left
+    assert look.expect(toks, [1, 6, 7], 3) == [1, 2]  # "6 7": its latest occurrence
+    assert look.expect(toks, [42], 3) == []
+    assert look.expect(toks + [3, 9], [], 3) == [6]  # indexed as the sequence grows: "9" -> 6 (n = 1)

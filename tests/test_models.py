@@ -157,7 +157,7 @@ def test_hf_folder_native_equals_transformers(hf_folder):
     from draftwise import SamplingParams, SpeculativeDecoder
 
     native = SpeculativeDecoder(str(hf_folder), None, dtype="fp32", progress=False)
-    hf = SpeculativeDecoder(str(hf_folder), None, dtype="fp32", backend="hf", progress=False)
+    hf = SpeculativeDecoder(str(hf_folder), str(hf_folder), dtype="fp32", backend="hf", progress=False)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for prompt in ["def quicksort(arr):", "hello world", "the lazy dog"]:
         a = native.generate(prompt, params, method="ar")
@@ -166,7 +166,9 @@ def test_hf_folder_native_equals_transformers(hf_folder):
         # speculation on the HF adapter: rollback through DynamicCache.crop
         c = hf.generate(prompt, params, method="pld")
         d = hf.generate(prompt, params, method="nasd", gamma=3)
-        assert c.token_ids == a.token_ids == d.token_ids
+        # a draft model on the adapter (itself: every draft accepted), its lookup feeding several tokens a pass
+        e = hf.generate(prompt, params, method="draft", gamma=4)
+        assert c.token_ids == a.token_ids == d.token_ids == e.token_ids
 
 
 def test_unknown_and_bad_model_refs(tmp_path):

@@ -250,7 +250,9 @@ class AutoDrafter:
             st.proposals = {n: p[i] for n, p in proposals.items()}  # scored in accept: the ones made
             # this step's best free option for the row alone, while a costly child's start is still to price
             free1 = self._free_best(st, k) if k > 0 and any(n not in st.started for n in self.costly) else None
-            name, depth, gain, nodes = self._choose(st, k, done, fed, start, s.remaining, paid, shape, free1)
+            # a costly child's drafted token may cost less than its one-token pass (a draft model's lookup)
+            share = {n: self.children[n].pass_share(s) for n in self.costly if hasattr(self.children[n], "pass_share")}
+            name, depth, gain, nodes = self._choose(st, k, done, fed, start, s.remaining, paid, shape, free1, share)
             st.steps += 1
             if free1 is not None:
                 t1, s1 = free1
@@ -288,12 +290,14 @@ class AutoDrafter:
 
     def _choose(self, st: _State, k: int, done: float = 1.0, fed: int = 1, start: dict[str, float] | None = None,
                 remaining: int = START_HORIZON, paid: dict[str, int] | None = None, shape: float = 1.0,
-                free1: tuple[float, float] | None = None) -> tuple[str, int, float, int]:
+                free1: tuple[float, float] | None = None, share: dict[str, float] | None = None
+                ) -> tuple[str, int, float, int]:
         """(child or NONE, depth, expected accepted tokens, nodes fed) maximising the step's rate, given the
         tokens ``done`` and ``fed`` by the rows that chose before, the seconds ``start`` of starting each costly
         child this step, the row's ``remaining`` tokens, and for a batch the depth each costly child drafts
         already (``paid``) and its batched forward's cost against one row's (``shape``): see ``propose``.
-        ``free1``: ``_free_best`` of this step, if the caller has it."""
+        ``free1``: ``_free_best`` of this step, if the caller has it. ``share``: per costly child, the row's
+        recent cost of a drafted token against ``draft_cost`` (``DraftModelDrafter.pass_share``; 1 if absent)."""
         horizon = max(1, min(remaining, START_HORIZON))
         best, best_rate = (NONE, 0, 0.0, 0), done / self.pass_cost(fed)
         if k <= 0:
@@ -309,15 +313,16 @@ class AutoDrafter:
                 continue  # a dear start waits until the free options have shown what they do on this row
             arm = st.arms[name]
             width = getattr(self.children[name], "branches", 1)
+            per_token = self.draft_cost[name] * (share or {}).get(name, 1.0)
             for j in range(1, k + 1):
                 nodes = min(j * width, self.max_nodes)
                 gain = arm.pi * expected_accepted(arm.alpha, j)
                 begin = starting * (1 + gain) / horizon  # its start, spread over the row
                 if begin > 0:  # a start must beat what the free options have done lately, not only this step
                     typical = self._typical(st, free1 or self._free_best(st, k)) if typical is None else typical
-                    if (1 + gain) / (self.pass_cost(1 + nodes) + j * self.draft_cost[name] + begin) <= typical:
+                    if (1 + gain) / (self.pass_cost(1 + nodes) + j * per_token + begin) <= typical:
                         continue
-                drafting = max(0, j - (paid or {}).get(name, 0)) * self.draft_cost[name] * shape
+                drafting = max(0, j - (paid or {}).get(name, 0)) * per_token * shape
                 rate = (done + gain) / (self.pass_cost(fed + nodes) + drafting + begin)
                 if rate > best_rate:
                     best, best_rate = (name, j, gain, nodes), rate
