@@ -11,6 +11,7 @@ from ..models.transformer import VocabSubset
 from ..sampling import logits_to_probs, sample, sample_at, top_indices
 from ..sequence import Sequence
 from .base import Draft
+from .pld import NgramIndex
 from .registry import Method, register
 
 
@@ -177,7 +178,7 @@ class DraftModelDrafter:
 
     def _lookup(self, seq: Sequence) -> _Lookup:
         look = self._looks.setdefault(id(seq), _Lookup())
-        if look.upto > len(seq.tokens):  # a stale entry (a sequence gone without release): start over
+        if look.index.upto >= len(seq.tokens):  # a stale entry (a sequence gone without release): start over
             look = self._looks[id(seq)] = _Lookup()
         return look
 
@@ -215,11 +216,10 @@ class _Lookup:
     1.15 tokens of the draft's chain per unit of draft cost on code prompts, 1.7 on translation, 2.1 on
     RAG, 2.8 on summarization (1 without); expecting n tokens after an n-gram beat a fixed count."""
 
-    __slots__ = ("after", "made", "units", "upto")
+    __slots__ = ("index", "made", "units")
 
     def __init__(self):
-        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its latest occurrence
-        self.upto = 1  # the next position e whose n-grams toks[e - n:e] (followed by toks[e]) to index
+        self.index = NgramIndex({n: {} for n in range(1, LOOKUP + 1)})  # the latest occurrence of each n-gram
         self.units = self.made = 0.0  # decayed sums: one-token draft passes spent, chain tokens they made
 
     def record(self, fed: int, made: int) -> None:
@@ -234,14 +234,12 @@ class _Lookup:
     def expect(self, toks: list[int], chain: list[int], room: int) -> list[int]:
         """Up to ``room`` tokens expected after ``toks + chain`` (the committed tokens and the draft so far):
         the continuation of the longest n-gram of its end seen in ``toks``, as many tokens as that n."""
-        for e in range(self.upto, len(toks)):
-            for n in range(1, min(LOOKUP, e) + 1):
-                self.after[tuple(toks[e - n:e])] = e
-        self.upto = max(self.upto, len(toks))
+        self.index.update(toks)
         tail = (toks[-LOOKUP:] + chain)[-LOOKUP:]
         for n in range(len(tail), 0, -1):
-            e = self.after.get(tuple(tail[-n:]))
-            if e is not None:
+            seen = self.index.last[n].get(tuple(tail[-n:]))
+            if seen:
+                e = seen[-1]
                 return toks[e:e + min(n, room)]
         return []
 

@@ -18,12 +18,25 @@ from .registry import Method, register
 
 
 @dataclass
-class _Index:
+class NgramIndex:
     # per n: n-gram -> positions just after its latest occurrences (latest last, at most ``keep``) that
     # are not the sequence's suffix
     last: dict[int, dict[tuple[int, ...], list[int]]] = field(default_factory=dict)
     upto: int = 0  # n-grams ending before this position are indexed
     keep: int = 1
+
+    def update(self, toks: list[int]) -> None:
+        """Index the n-grams of ``toks`` (a sequence that only grows) not indexed yet: those ending before its
+        last position, each followed by a token."""
+        end = len(toks) - 1  # index n-grams ending at positions < end (not the suffix itself)
+        for e in range(self.upto + 1, end + 1):  # n-gram toks[e-n:e], followed by toks[e]
+            for n, table in self.last.items():
+                if e >= n:
+                    seen = table.setdefault(tuple(toks[e - n:e]), [])
+                    seen.append(e)
+                    if len(seen) > self.keep:
+                        del seen[0]
+        self.upto = max(self.upto, end)
 
 
 class PromptLookupDrafter(StatelessDrafter):
@@ -37,18 +50,7 @@ class PromptLookupDrafter(StatelessDrafter):
         self.max_ngram, self.min_ngram, self.branches = max_ngram, min_ngram, branches
 
     def start(self, seq: Sequence, *, hidden: torch.Tensor | None = None) -> None:
-        seq.drafter_state = _Index({n: {} for n in range(self.min_ngram, self.max_ngram + 1)}, keep=self.branches)
-
-    def _index(self, idx: _Index, toks: list[int]) -> None:
-        end = len(toks) - 1  # index n-grams ending at positions < end (not the suffix itself)
-        for e in range(idx.upto + 1, end + 1):  # n-gram toks[e-n:e], followed by toks[e]
-            for n, table in idx.last.items():
-                if e >= n:
-                    seen = table.setdefault(tuple(toks[e - n:e]), [])
-                    seen.append(e)
-                    if len(seen) > idx.keep:
-                        del seen[0]
-        idx.upto = max(idx.upto, end)
+        seq.drafter_state = NgramIndex({n: {} for n in range(self.min_ngram, self.max_ngram + 1)}, keep=self.branches)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         out = []
@@ -57,7 +59,7 @@ class PromptLookupDrafter(StatelessDrafter):
                 out.append(Draft([]))
                 continue
             toks = s.lookup_context
-            self._index(s.drafter_state, toks)
+            s.drafter_state.update(toks)
             starts: list[int] = []  # where candidate continuations start, best first
             for n in range(self.max_ngram, self.min_ngram - 1, -1):
                 if len(toks) >= n:
