@@ -104,8 +104,9 @@ def _byte_level_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def make_hf_folder(folder: Path, vocab_size: int = 300, seed: int = 0, max_context: int = 256,
-                   num_layers: int = TINY.num_layers) -> Path:
-    """A tiny random Llama saved the way HF saves models: config.json + safetensors + tokenizer."""
+                   num_layers: int = TINY.num_layers, tied: bool = False, hidden_size: int = TINY.hidden_size) -> Path:
+    """A tiny random Llama saved the way HF saves models: config.json + safetensors + tokenizer. ``tied``: no
+    ``lm_head.weight``, the embedding table is the output head too (``tie_word_embeddings``)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -113,7 +114,8 @@ def make_hf_folder(folder: Path, vocab_size: int = 300, seed: int = 0, max_conte
     from transformers import AutoTokenizer
 
     n_vocab = len(AutoTokenizer.from_pretrained(str(folder)))
-    cfg = ModelConfig(**{**TINY.to_dict(), "vocab_size": n_vocab, "max_context": max_context, "num_layers": num_layers})
+    cfg = ModelConfig(**{**TINY.to_dict(), "vocab_size": n_vocab, "max_context": max_context, "num_layers": num_layers,
+                           "hidden_size": hidden_size})
     m = random_model(cfg, seed=seed)
     sd = {"model.embed_tokens.weight": m.embed.weight, "model.norm.weight": m.norm.weight,
           "lm_head.weight": m.lm_head.weight}
@@ -128,12 +130,14 @@ def make_hf_folder(folder: Path, vocab_size: int = 300, seed: int = 0, max_conte
                    p + "mlp.down_proj.weight": layer.mlp.down.weight,
                    p + "input_layernorm.weight": layer.attn_norm.weight,
                    p + "post_attention_layernorm.weight": layer.mlp_norm.weight})
+    if tied:
+        del sd["lm_head.weight"]
     save_file({k: v.contiguous().clone() for k, v in sd.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": n_vocab, "hidden_size": D,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.rms_eps, "max_position_embeddings": max_context, "tie_word_embeddings": False,
+        "rms_norm_eps": cfg.rms_eps, "max_position_embeddings": max_context, "tie_word_embeddings": tied,
         "hidden_act": "silu", "torch_dtype": "float32"}))
     return folder
 

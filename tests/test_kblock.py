@@ -142,3 +142,37 @@ def test_int4_and_int8_weights_run_on_the_block_rule(monkeypatch, bits, tag):
     assert ((lin(x).double() - y).abs().max() / y.abs().max()).item() < 1e-5
     monkeypatch.setenv("DRAFTWISE_EXACT_ACTIVATIONS", "1")
     assert quantize_linears(sd, bits)[key + ".qmeta"].tolist() == [32, bits]
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_tied_embedding_is_quantized_as_the_head_it_is(tmp_path, weights):
+    """With no ``lm_head.weight`` the embedding table is the output head, read whole for every token: int4 / int8
+    quantize it like any head (kept fp32, SmolLM2-135M's head was 12 ms of a 16 ms token) and the input
+    embedding reads its rows from that very code; an untied table stays as it was."""
+    from draftwise.models import load_model
+    from draftwise.models.loading import quantize_linears
+    from draftwise.models.transformer import QEmbedding
+    from tests.conftest import make_hf_folder
+
+    g = torch.Generator().manual_seed(7)
+    table, head = torch.randn(64, 96, generator=g), torch.randn(64, 96, generator=g)
+    bits = 8 if weights == "int8" else 4
+    assert "model.embed_tokens.weight.q" in quantize_linears({"model.embed_tokens.weight": table}, bits)
+    untied = quantize_linears({"model.embed_tokens.weight": table, "lm_head.weight": head}, bits)
+    assert torch.equal(untied["model.embed_tokens.weight"], table) and "lm_head.weight.q" in untied
+
+    folder = make_hf_folder(tmp_path / "tied", tied=True, hidden_size=64)  # rows of whole blocks of 32
+    dense = load_model(str(folder), "fp32", progress=False).model
+    m = load_model(str(folder), weights, progress=False).model
+    assert isinstance(m.lm_head, QLinear) and isinstance(m.embed, QEmbedding)
+    assert m.embed.q.data_ptr() == m.lm_head.q.data_ptr()  # one code, shared
+    ids = torch.arange(m.config.vocab_size)
+    W = dequantize(m.lm_head.q, m.lm_head.scale, m.lm_head.minv if m.lm_head.minv.numel() else None, m.lm_head.group,
+                   m.lm_head.bits)
+    assert torch.equal(m.embed(ids), W)  # the rows the head multiplies by
+    err = (W - dense.embed.weight).abs().max() / dense.embed.weight.abs().max()
+    assert 0 < err < (0.01 if bits == 8 else 0.1)
+    prompt = torch.tensor([[5, 17, 42, 99, 3]])
+    want = dense.forward(prompt, dense.new_cache(1, 16)).logits
+    got = m.forward(prompt, m.new_cache(1, 16)).logits
+    assert torch.corrcoef(torch.stack([want.flatten(), got.flatten()]))[0, 1] > (0.99 if bits == 8 else 0.9)
