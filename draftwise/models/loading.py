@@ -569,7 +569,6 @@ def load_gguf(path: Path, dtype: torch.dtype | str, progress: bool = True, keep:
     return cfg, sd, out
 
 
-
 def _file_embedding(qtype: str, shape, nbytes: int, cfg: ModelConfig) -> int | None:
     """The ggml type id under which a token embedding of GGML type ``qtype`` stays in the GGUF's own blocks
     (``GGUFEmbedding``: a lookup de-quantizes only its rows, equal to the fp32 table's), or None: tied to the
