@@ -1,5 +1,6 @@
 """The draft model's confidence stop at several thresholds against none, in one process, rotated per prompt:
-python ab.py PROMPTS.jsonl METHODS STOPS [ROUNDS] [MAX_TOKENS]  (STOPS e.g. 0,0.5,0.7).
+python ab.py PROMPTS.jsonl METHODS STOPS [ROUNDS] [MAX_TOKENS]  (STOPS e.g. 0,0.5,0.7; "c0.6": the product
+of the chain's confidences below 0.6, the cumulative rule). Needs stop.patch applied.
 Greedy; the decoders share the target and the draft model (each keeps its own γ policy and acceptance
 records); outputs must be equal."""
 import json
@@ -12,19 +13,21 @@ from draftwise import SamplingParams, SpeculativeDecoder
 
 prompts = [json.loads(line)["turns"][0] for path in sys.argv[1].split(",") for line in open(path)]
 methods = sys.argv[2].split(",")
-stops = [float(x) for x in sys.argv[3].split(",")]
+stops = sys.argv[3].split(",")
 rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 max_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 128
 first = SpeculativeDecoder(progress=False)
 decoders = {v: first if j == 0 else SpeculativeDecoder(target=first.target, draft=first.draft, progress=False)
             for j, v in enumerate(stops)}
 init = dm.DraftModelDrafter.__init__
-current = {"stop": 0.0}
+current = {"stop": "0"}
 
 
 def patched(self, *a, **kw):
     init(self, *a, **kw)
-    self.stop = current["stop"]
+    v = current["stop"]
+    self.cumulative = v.startswith("c")
+    self.stop = float(v.lstrip("c"))
 
 
 dm.DraftModelDrafter.__init__ = patched
