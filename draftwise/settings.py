@@ -100,9 +100,55 @@ def openmp_spin_default() -> None:
     OpenMP's threads spin ~300k iterations (milliseconds) after each torch op, and between torch ops the
     kernel's own threads (kernels/csrc/core/pool.h) run the matmuls; a spinning OpenMP thread takes a core from
     them. A short spin: Qwen 1.5B, 60-token prompt, prefill 1.4-1.9 s -> 1.2-1.4 s (AMD Zen 3, 2 threads).
-    A value the user set is kept; it has no effect once torch is imported."""
+    A value the user set is kept. It has no effect once GNU OpenMP is loaded (``import torch`` before
+    ``import draftwise``): ``openmp_spins_long`` then says so, and the decode loop keeps torch's ops off
+    OpenMP's threads instead (``kernels.decode_threads``)."""
+    global _spins_long
+    loaded = _libgomp_loaded()
+    _spins_long = _long_spin(loaded, os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
     os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 
+_spins_long = False
+LONG_SPIN = 100_000  # GOMP_SPINCOUNT above this is "long" (libgomp's estimate: 100k spins a millisecond)
+
+
+def openmp_spins_long() -> bool:
+    """Whether GNU OpenMP's idle threads spin for milliseconds after each torch op in this process: it was
+    loaded before ``import draftwise`` with its default spin (300k), or the user asked for ``OMP_WAIT_POLICY=
+    ACTIVE`` or a ``GOMP_SPINCOUNT`` above ``LONG_SPIN``. Then a drafted token of the 0.5B draft took 14.5 ms
+    instead of 10 (AMD Zen 4, 2 cores: the spinning thread holds the core the kernel's helper needs)."""
+    return _spins_long
+
+
+def _long_spin(loaded_before: bool, policy: str | None, spincount: str | None) -> bool:
+    policy = (policy or "").strip().upper()
+    if policy == "ACTIVE":
+        return True
+    if spincount is not None and spincount.strip():  # libgomp's syntax: a count with k / M / G / T, or infinite
+        v = spincount.strip().lower()
+        if v in ("infinite", "infinity"):
+            return True
+        scale = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}.get(v[-1], 1)
+        try:
+            return int(v[:-1] if scale > 1 else v) * scale > LONG_SPIN
+        except ValueError:
+            return loaded_before
+    if policy == "PASSIVE":
+        return False
+    return loaded_before  # libgomp read the environment before this module set GOMP_SPINCOUNT: its default
+
+
+def _libgomp_loaded() -> bool:
+    """Whether GNU OpenMP is already in this process (torch, or another library, loaded it)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libgomp" in line for line in f)
+    except OSError:  # not Linux: torch is what would have loaded it
+        import sys
+
+        return "torch" in sys.modules
+
+
 __all__ = ["INSTALL_VARIABLES", "VARIABLES", "api_key", "exact_activations", "forced_isa", "forced_prefill", "home",
-           "keep_converted", "kernels_disabled", "openmp_spin_default", "tune_kernels"]
+           "keep_converted", "kernels_disabled", "openmp_spin_default", "openmp_spins_long", "tune_kernels"]

@@ -6,6 +6,9 @@ import json
 import os
 from pathlib import Path
 
+import draftwise  # noqa: F401  (before torch: GNU OpenMP's short spin, settings.openmp_spin_default)
+
+# isort: split
 import pytest
 import torch
 from hypothesis import settings

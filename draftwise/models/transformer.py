@@ -161,7 +161,7 @@ class Attention(WatchedModule):
             else:  # causal, offset by the cached prefix
                 keys = torch.arange(L + T)
                 mask = keys[None, :] <= (L + torch.arange(T))[:, None]  # (T, L+T)
-            with parallel_torch():
+            with parallel_torch(light=T < LIGHT_ATTENTION):
                 out[b] = F.scaled_dot_product_attention(
                     q[b:b + 1], k_cache[b:b + 1, :, :L + T], v_cache[b:b + 1, :, :L + T],
                     attn_mask=mask, is_causal=causal, enable_gqa=True)[0]
@@ -180,6 +180,10 @@ class Attention(WatchedModule):
 
 
 _NONE = torch.empty(0, dtype=torch.long)
+# a prompt's attention over fewer new tokens than this gains less from torch's threads than a long OpenMP spin
+# after it costs (kernels.parallel_torch's ``light``): the 1.5B's 33 / 128 / 512-token prefills 349 / 809 /
+# 3211 ms with the threads, 214 / 702 / 3338 ms without (AMD Zen 4, torch imported before draftwise)
+LIGHT_ATTENTION = 512
 
 
 class Packing:
