@@ -110,3 +110,28 @@ def test_a_long_spin_keeps_the_loops_torch_ops_on_one_thread(monkeypatch):
                 assert torch.get_num_threads() == 2  # a heavy op (a GEMM) still gets them
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_transformers_model_keeps_torchs_threads_inside_the_serial_loop(hf_folder, monkeypatch):
+    """``--backend hf``: transformers' GEMMs are torch's own, so its forward gets torch's threads back."""
+    if extension() is None:
+        pytest.skip("the C++ kernel is not built here (serial_torch hands nothing to it)")
+    from draftwise.models import load_model
+
+    lm = load_model(str(hf_folder), "fp32", backend="hf", progress=False)
+    seen = []
+    inner = lm.model.hf.forward
+
+    def forward(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(lm.model.hf, "forward", forward)
+    monkeypatch.setattr(settings, "_spins_long", True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _decode(lm.model, _ThreadsSeen())
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {2}

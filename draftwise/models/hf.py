@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelNotFoundError
+from ..kernels import parallel_torch
 from .base import LogitsFor, ModelConfig, ModelOutput
 from .hf_common import HFCache, begin_forward, select_positions
 from .seq2seq import HFSeq2SeqLM
@@ -34,8 +35,9 @@ class HFCausalLM:
         if positions is None:
             positions = start + torch.arange(T)[None].expand(B, T)
         last = isinstance(logits_for, str) and logits_for == "last"
-        out = self.hf(input_ids=input_ids, past_key_values=cache.hf, position_ids=positions, use_cache=True,
-                      output_hidden_states=True, logits_to_keep=1 if last else 0)
+        with parallel_torch():  # transformers' GEMMs: torch's threads even inside the decode loop's serial_torch
+            out = self.hf(input_ids=input_ids, past_key_values=cache.hf, position_ids=positions, use_cache=True,
+                          output_hidden_states=True, logits_to_keep=1 if last else 0)
         cache.lengths[:B] = start + T
         return select_positions(out.logits.float(), out.hidden_states[-1], logits_for)
 

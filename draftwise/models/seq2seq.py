@@ -21,6 +21,7 @@ import inspect
 import torch
 
 from ..errors import InvalidParameterError, PromptTooLongError
+from ..kernels import parallel_torch
 from .base import LogitsFor, ModelConfig, ModelOutput
 from .hf_common import HFCache, begin_forward, select_positions
 
@@ -97,7 +98,8 @@ class HFSeq2SeqLM:
         self.check_source(source_ids)
         x = torch.tensor([source_ids]).expand(cache.rows, -1)  # (rows, S)
         mask = torch.ones_like(x)  # (rows, S)
-        out = self.hf.get_encoder()(input_ids=x, attention_mask=mask)
+        with parallel_torch():  # transformers' GEMMs: torch's threads even inside the decode loop's serial_torch
+            out = self.hf.get_encoder()(input_ids=x, attention_mask=mask)
         cache.set_source(out.last_hidden_state, mask)  # (rows, S, D), (rows, S)
 
     @torch.inference_mode()
@@ -111,9 +113,10 @@ class HFSeq2SeqLM:
             raise InvalidParameterError("an encoder-decoder decoder takes its positions from the cache")
         from transformers.modeling_outputs import BaseModelOutput
 
-        out = self.hf(encoder_outputs=BaseModelOutput(last_hidden_state=cache.encoder_out[:B]),
-                      attention_mask=cache.encoder_mask[:B], decoder_input_ids=input_ids,
-                      use_cache=True, output_hidden_states=True, **{self._cache_arg: cache.hf})
+        with parallel_torch():
+            out = self.hf(encoder_outputs=BaseModelOutput(last_hidden_state=cache.encoder_out[:B]),
+                          attention_mask=cache.encoder_mask[:B], decoder_input_ids=input_ids,
+                          use_cache=True, output_hidden_states=True, **{self._cache_arg: cache.hf})
         cache.lengths[:B] = start + T
         picked = select_positions(out.logits.float(), out.decoder_hidden_states[-1], logits_for)  # (B, T', V/D)
         if self.banned:
