@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidParameterError, PromptTooLongError
+from .kernels import in_decode_threads
 from .models.base import CausalLM
 from .sampling import SamplingParams
 from .sequence import GenerationStats
@@ -59,6 +60,7 @@ def check_beam_params(params: SamplingParams, num_beams, length_penalty, early_s
         raise InvalidParameterError("beam search does not take stop strings")
 
 
+@in_decode_threads  # torch's ops off OpenMP's threads where those spin long (kernels.decode_threads)
 def beam_search(model: CausalLM, prompt_ids: list[int], params: SamplingParams, *, num_beams: int = 4,
                 length_penalty: float = 1.0, early_stopping: bool | str = False,
                 eos_ids: frozenset[int] = frozenset()) -> BeamResult:

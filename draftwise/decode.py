@@ -17,7 +17,6 @@ after every one of its nodes (lookahead decoding learns from the nodes off the a
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,7 +25,7 @@ import torch
 
 from .drafters.base import Draft, Drafter, needs_of
 from .errors import InvalidParameterError, PromptTooLongError
-from .kernels import decode_threads
+from .kernels import in_decode_threads
 from .models.base import MAX_TREE_TOKENS, CausalLM, is_encoder_decoder
 from .sampling import argmax, logits_to_probs, sample, sample_at
 from .sequence import ACCEPTED, BONUS, PLAIN, RECOVERED, Sequence
@@ -62,15 +61,6 @@ def _features(out) -> torch.Tensor:
         return out.hidden
     taps = out.taps[:, -out.hidden.shape[1]:]  # (B, T', taps, D): the positions ``hidden`` holds
     return torch.cat([out.hidden, taps.flatten(-2).to(out.hidden.dtype)], -1)
-
-
-def _decode_threads(method):
-    """``method`` within ``kernels.decode_threads`` (torch's ops off OpenMP's threads where those spin long)."""
-    @functools.wraps(method)
-    def run(*args, **kwargs):
-        with decode_threads():
-            return method(*args, **kwargs)
-    return run
 
 
 class GammaPolicy(Protocol):
@@ -157,7 +147,7 @@ class Decoder:
                 f"context ({self.capacity} incl. {headroom} draft slots); max_tokens can be at most {room}")
 
     # ---- admission -------------------------------------------------------------------------------
-    @_decode_threads
+    @in_decode_threads  # torch's ops off OpenMP's threads where those spin long
     def add(self, seq: Sequence) -> None:
         """Prefill a new sequence into a free row and emit its first token."""
         self.check_fits(seq)
@@ -191,7 +181,7 @@ class Decoder:
             self._remove(seq)
 
     # ---- the loop --------------------------------------------------------------------------------
-    @_decode_threads
+    @in_decode_threads  # torch's ops off OpenMP's threads where those spin long
     def step(self) -> list[Sequence]:
         """One propose → verify → accept round for every running sequence. Returns those that finished."""
         seqs = self.running

@@ -135,3 +135,29 @@ def test_a_transformers_model_keeps_torchs_threads_inside_the_serial_loop(hf_fol
     finally:
         torch.set_num_threads(before)
     assert seen and set(seen) == {2}
+
+
+def test_beam_search_runs_in_the_decode_threads_too(monkeypatch):
+    if extension() is None:
+        pytest.skip("the C++ kernel is not built here (serial_torch hands nothing to it)")
+    from draftwise.beam import beam_search
+
+    model = random_model(TINY, seed=5)
+    seen = []
+    inner = model.forward
+
+    def forward(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return inner(*args, **kwargs)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        params = SamplingParams(max_tokens=5)
+        want = beam_search(model, [1, 5, 9], params, num_beams=3).token_ids
+        monkeypatch.setattr(model, "forward", forward)
+        monkeypatch.setattr(settings, "_spins_long", True)
+        assert beam_search(model, [1, 5, 9], params, num_beams=3).token_ids == want
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}

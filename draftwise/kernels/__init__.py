@@ -129,6 +129,15 @@ def decode_threads():
     return serial_torch() if settings.openmp_spins_long() else contextlib.nullcontext()
 
 
+def in_decode_threads(fn):
+    """``fn`` within ``decode_threads`` (decided at each call): ``Decoder.step`` / ``add``, ``beam_search``."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with decode_threads():
+            return fn(*args, **kwargs)
+    return run
+
+
 def bulk(enabled: bool = True):
     """Within this block, linears over many rows (a long prefill) de-quantize their weights to bf16 and
     use torch's GEMM (AMX / oneDNN) instead of the kernel, where that pays (``bulk_gemm_pays``).
