@@ -76,8 +76,22 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop_sorted[..., 0] = False  # and always the most likely token (a top_p below float32's range is 0 here)
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = probs / row_sum(probs)
     return probs
+
+
+SUM_BLOCK = 1024  # row_sum's block: each block's sum is one thread's, in the order torch vectorizes it
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(-1, keepdim=True)`` with the same bits whatever torch's thread count: torch splits the sum of a
+    single row (a (V,) or (1, V) tensor) across its threads, so 1 and 2 threads may round it 1 ulp apart, and a
+    seeded draw from top-p probabilities could follow; here each block of ``SUM_BLOCK`` values is summed by one
+    thread (a reduction with several outputs is split over the outputs), then the block sums, fewer than
+    torch's grain, on one. x: (..., V) -> (..., 1)."""
+    V = x.shape[-1]
+    blocks = torch.nn.functional.pad(x, (0, -V % SUM_BLOCK)).reshape(*x.shape[:-1], -1, SUM_BLOCK)  # (..., n, B)
+    return blocks.sum(-1).sum(-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from draftwise.errors import InvalidParameterError
-from draftwise.sampling import TOP_CHUNK, SamplingParams, argmax, logits_to_probs, top_indices
+from draftwise.sampling import TOP_CHUNK, SamplingParams, argmax, logits_to_probs, row_sum, top_indices
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
@@ -71,3 +71,23 @@ def test_argmax_is_torch_argmax_ties_and_nan_included(shape):
     z = torch.full(shape, float("-inf"))
     z[..., V // 3] = 0.0
     assert torch.equal(argmax(z), z.argmax(-1))
+
+
+def test_top_p_probabilities_are_the_same_bits_on_any_thread_count():
+    """A seeded draw reads these probabilities: their renormalization over a whole vocabulary row must not
+    depend on torch's thread count (``row_sum``; ``x.sum()`` of one 152k row differs between 1 and 2 threads)."""
+    g = torch.Generator().manual_seed(4)
+    cases = [torch.randn(*shape, generator=g) * 4 for shape in [(151936,)] * 12 + [(1, 151936), (2, 49152), (300,)]]
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.3, top_k=64, top_p=0.95)]
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got[n] = [logits_to_probs(x, p) for x in cases for p in params]
+    finally:
+        torch.set_num_threads(before)
+    for n in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(got[1], got[n])), f"{n} threads"
+    x = torch.rand(5, 3000, generator=g)
+    assert torch.allclose(row_sum(x), x.sum(-1, keepdim=True)) and row_sum(x[0]).shape == (1,)
