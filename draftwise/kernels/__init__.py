@@ -125,7 +125,8 @@ def decode_threads():
     where OpenMP's idle threads spin long after each torch op (``settings.openmp_spins_long``: torch was
     imported before draftwise): its torch ops then never wake them, and the kernel's threads keep both cores.
     Measured there (AMD Zen 4, 2 cores, the six code prompts, `draft`): 18.6-19.1 s -> 15.1-16.1 s; with a
-    short spin the loop is left as it is (the same either way). Only speed moves: the same bits."""
+    short spin the loop is left as it is (the same either way). Only speed moves: greedy and seeded text are
+    the same (the logits are the kernel's; top-p's renormalization is ``sampling.row_sum``)."""
     return serial_torch() if settings.openmp_spins_long() else contextlib.nullcontext()
 
 
