@@ -13,7 +13,7 @@ import torch
 
 from draftwise import settings
 from draftwise.decode import Decoder, FixedGamma
-from draftwise.drafters.base import Draft
+from draftwise.drafters.base import Draft, StatelessDrafter
 from draftwise.kernels import extension, parallel_torch, serial_torch
 from draftwise.models.transformer import random_model
 from draftwise.sampling import SamplingParams
@@ -53,7 +53,18 @@ def test_import_order_decides_the_spin():
     assert _imports("torch", OMP_WAIT_POLICY="PASSIVE") is False
 
 
-class _ThreadsSeen:
+@pytest.fixture
+def two_threads():
+    """torch at 2 threads for the test (serial_torch has something to take away), the kernel built."""
+    if extension() is None:
+        pytest.skip("the C++ kernel is not built here (serial_torch hands nothing to it)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+class _ThreadsSeen(StatelessDrafter):
     """Drafts nothing; records torch's thread count inside the loop."""
 
     name = "threads-seen"
@@ -68,14 +79,17 @@ class _ThreadsSeen:
         self.seen.append(torch.get_num_threads())
         return [Draft([]) for _ in seqs]
 
-    def accept(self, *args, **kwargs):
-        pass
 
-    def release(self, seq):
-        pass
+def _record_threads(obj, monkeypatch) -> list[int]:
+    """torch's thread count at every ``obj.forward`` call from now on."""
+    seen, inner = [], obj.forward
 
-    def move_row(self, src, dst):
-        pass
+    def forward(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(obj, "forward", forward)
+    return seen
 
 
 def _decode(model, drafter):
@@ -85,79 +99,44 @@ def _decode(model, drafter):
     return seq.output_ids
 
 
-def test_a_long_spin_keeps_the_loops_torch_ops_on_one_thread(monkeypatch):
-    if extension() is None:
-        pytest.skip("the C++ kernel is not built here (serial_torch hands nothing to it)")
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        model = random_model(TINY, seed=3)
-        monkeypatch.setattr(settings, "_spins_long", False)
-        short = _ThreadsSeen()
-        want = _decode(model, short)
-        assert set(short.seen) == {2}
-        with serial_torch(), parallel_torch(light=True):
-            assert torch.get_num_threads() == 2  # a short spin: the light op gets its threads
-        monkeypatch.setattr(settings, "_spins_long", True)
-        spinning = _ThreadsSeen()
-        assert _decode(model, spinning) == want  # the same tokens
-        assert set(spinning.seen) == {1}
-        assert extension().get_threads() == 0 and torch.get_num_threads() == 2  # restored after the loop
-        with serial_torch():
-            with parallel_torch(light=True):
-                assert torch.get_num_threads() == 1
-            with parallel_torch():
-                assert torch.get_num_threads() == 2  # a heavy op (a GEMM) still gets them
-    finally:
-        torch.set_num_threads(before)
+def test_a_long_spin_keeps_the_loops_torch_ops_on_one_thread(two_threads, monkeypatch):
+    model = random_model(TINY, seed=3)
+    monkeypatch.setattr(settings, "_spins_long", False)
+    short = _ThreadsSeen()
+    want = _decode(model, short)
+    assert set(short.seen) == {2}
+    with serial_torch(), parallel_torch(light=True):
+        assert torch.get_num_threads() == 2  # a short spin: the light op gets its threads
+    monkeypatch.setattr(settings, "_spins_long", True)
+    spinning = _ThreadsSeen()
+    assert _decode(model, spinning) == want  # the same tokens
+    assert set(spinning.seen) == {1}
+    assert extension().get_threads() == 0 and torch.get_num_threads() == 2  # restored after the loop
+    with serial_torch():
+        with parallel_torch(light=True):
+            assert torch.get_num_threads() == 1
+        with parallel_torch():
+            assert torch.get_num_threads() == 2  # a heavy op (a GEMM) still gets them
 
 
-def test_a_transformers_model_keeps_torchs_threads_inside_the_serial_loop(hf_folder, monkeypatch):
+def test_a_transformers_model_keeps_torchs_threads_inside_the_serial_loop(two_threads, hf_folder, monkeypatch):
     """``--backend hf``: transformers' GEMMs are torch's own, so its forward gets torch's threads back."""
-    if extension() is None:
-        pytest.skip("the C++ kernel is not built here (serial_torch hands nothing to it)")
     from draftwise.models import load_model
 
     lm = load_model(str(hf_folder), "fp32", backend="hf", progress=False)
-    seen = []
-    inner = lm.model.hf.forward
-
-    def forward(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(lm.model.hf, "forward", forward)
+    seen = _record_threads(lm.model.hf, monkeypatch)
     monkeypatch.setattr(settings, "_spins_long", True)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        _decode(lm.model, _ThreadsSeen())
-    finally:
-        torch.set_num_threads(before)
+    _decode(lm.model, _ThreadsSeen())
     assert seen and set(seen) == {2}
 
 
-def test_beam_search_runs_in_the_decode_threads_too(monkeypatch):
-    if extension() is None:
-        pytest.skip("the C++ kernel is not built here (serial_torch hands nothing to it)")
+def test_beam_search_runs_in_the_decode_threads_too(two_threads, monkeypatch):
     from draftwise.beam import beam_search
 
     model = random_model(TINY, seed=5)
-    seen = []
-    inner = model.forward
-
-    def forward(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return inner(*args, **kwargs)
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        params = SamplingParams(max_tokens=5)
-        want = beam_search(model, [1, 5, 9], params, num_beams=3).token_ids
-        monkeypatch.setattr(model, "forward", forward)
-        monkeypatch.setattr(settings, "_spins_long", True)
-        assert beam_search(model, [1, 5, 9], params, num_beams=3).token_ids == want
-    finally:
-        torch.set_num_threads(before)
+    params = SamplingParams(max_tokens=5)
+    want = beam_search(model, [1, 5, 9], params, num_beams=3).token_ids
+    seen = _record_threads(model, monkeypatch)
+    monkeypatch.setattr(settings, "_spins_long", True)
+    assert beam_search(model, [1, 5, 9], params, num_beams=3).token_ids == want
     assert seen and set(seen) == {1}
