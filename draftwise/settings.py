@@ -96,32 +96,58 @@ def draft_vocab() -> str | None:
 
 
 def openmp_spin_default() -> None:
-    """Set ``GOMP_SPINCOUNT=2000`` when unset, before torch loads GNU OpenMP (``import draftwise`` calls it).
-    OpenMP's threads spin ~300k iterations (milliseconds) after each torch op, and between torch ops the
-    kernel's own threads (kernels/csrc/core/pool.h) run the matmuls; a spinning OpenMP thread takes a core from
-    them. A short spin: Qwen 1.5B, 60-token prompt, prefill 1.4-1.9 s -> 1.2-1.4 s (AMD Zen 3, 2 threads).
-    A value the user set is kept. It has no effect once GNU OpenMP is loaded (``import torch`` before
-    ``import draftwise``): ``openmp_spins_long`` then says so, and the decode loop keeps torch's ops off
-    OpenMP's threads instead (``kernels.decode_threads``)."""
+    """Short idle spins for torch's OpenMP threads, set before torch loads its OpenMP runtime (``import draftwise``
+    calls it): ``GOMP_SPINCOUNT=2000`` for GNU OpenMP (pip's torch) and ``KMP_BLOCKTIME=0`` for Intel's or LLVM's
+    (``libiomp5`` / ``libomp``: conda's MKL builds, or ``LD_PRELOAD=libiomp5.so`` as Intel's tuning guides
+    advise for pip's torch), each only where unset. Left alone, OpenMP's threads spin after each torch op —
+    libgomp ~300k iterations (milliseconds), Intel's runtime 200 ms — while between torch ops the kernel's own
+    threads (kernels/csrc/core/pool.h) run the matmuls; a spinning OpenMP thread takes a core from them. A short
+    spin: Qwen 1.5B, 60-token prompt, prefill 1.4-1.9 s -> 1.2-1.4 s (AMD Zen 3, 2 threads); with libiomp5
+    preloaded, the six code prompts' `draft` 21.2 / 18.8 -> 16.5 / 15.1 s (AMD Zen 4, 2 threads). A value the
+    user set is kept.
+    It has no effect on a runtime that already read its environment (``import torch`` before ``import
+    draftwise``): ``openmp_spins_long`` then says so, and the decode loop keeps torch's ops off OpenMP's threads
+    instead (``kernels.decode_threads``)."""
     global _spins_long
-    loaded = _libgomp_loaded()
-    _spins_long = _long_spin(loaded, os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
+    libs = _openmp_libraries()
+    gomp = _long_spin(any(_is_gomp(p) for p in libs) if libs is not None else _torch_imported(),
+                      os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
     os.environ.setdefault("GOMP_SPINCOUNT", "2000")
+    os.environ.setdefault("KMP_BLOCKTIME", "0")
+    kmp = [p for p in libs or () if _is_kmp(p)]
+    blocktime = _kmp_blocktime(kmp) if kmp else None  # what the runtime uses (it reads KMP_BLOCKTIME when first used)
+    if kmp and blocktime is None:  # a runtime without kmp_get_blocktime: judge by the environment, as for libgomp
+        blocktime = _kmp_blocktime_from_env(_torch_imported(), os.environ.get("OMP_WAIT_POLICY"),
+                                            os.environ.get("KMP_BLOCKTIME"))
+    long = (["libgomp"] if gomp else []) + (
+        [os.path.basename(kmp[0]).split(".")[0]] if blocktime is not None and blocktime >= LONG_BLOCKTIME_MS else [])
+    _spins_long = ", ".join(long)
 
 
-_spins_long = False
+_spins_long = ""  # the OpenMP runtimes whose idle threads spin long in this process, named ("": none)
 LONG_SPIN = 100_000  # GOMP_SPINCOUNT above this is "long" (libgomp's estimate: 100k spins a millisecond)
+LONG_BLOCKTIME_MS = 1  # KMP_BLOCKTIME (milliseconds) from this up is "long": Intel's tuning guides' 1 ms included
 
 
 def openmp_spins_long() -> bool:
-    """Whether GNU OpenMP's idle threads spin for milliseconds after each torch op in this process: it was
-    loaded before ``import draftwise`` with its default spin (300k), or the user asked for ``OMP_WAIT_POLICY=
-    ACTIVE`` or a ``GOMP_SPINCOUNT`` above ``LONG_SPIN``. Then a drafted token of the 0.5B draft took 14.5 ms
-    instead of 10 (AMD Zen 4, 2 cores: the spinning thread holds the core the kernel's helper needs)."""
+    """Whether torch's idle OpenMP threads spin for a millisecond or more after each torch op in this process:
+    GNU OpenMP was loaded before ``import draftwise`` with its default spin (300k), or the user asked for
+    ``OMP_WAIT_POLICY=ACTIVE`` or a ``GOMP_SPINCOUNT`` above ``LONG_SPIN``; or an Intel / LLVM runtime (libiomp5,
+    libomp) in the process keeps its threads spinning ``LONG_BLOCKTIME_MS`` or more (it was started before
+    draftwise set ``KMP_BLOCKTIME=0``, or the user set a longer one). Then a drafted token of the 0.5B draft took
+    14.5 ms instead of 10 (AMD Zen 4, 2 cores: the spinning thread holds the core the kernel's helper needs)."""
+    return bool(_spins_long)
+
+
+def openmp_spinning_runtime() -> str:
+    """The OpenMP runtimes ``openmp_spins_long`` found spinning long, named (``libgomp``, ``libiomp5``, ``libomp``;
+    "" where none): ``kernel_info`` shows them."""
     return _spins_long
 
 
 def _long_spin(loaded_before: bool, policy: str | None, spincount: str | None) -> bool:
+    """GNU OpenMP's rule: whether its idle threads spin long, given whether it read its environment before
+    this module set ``GOMP_SPINCOUNT`` (it reads it once, when it loads)."""
     policy = (policy or "").strip().upper()
     if policy == "ACTIVE":
         return True
@@ -139,16 +165,68 @@ def _long_spin(loaded_before: bool, policy: str | None, spincount: str | None) -
     return loaded_before  # libgomp read the environment before this module set GOMP_SPINCOUNT: its default
 
 
-def _libgomp_loaded() -> bool:
-    """Whether GNU OpenMP is already in this process (torch, or another library, loaded it)."""
-    try:
-        with open("/proc/self/maps") as f:
-            return any("libgomp" in line for line in f)
-    except OSError:  # not Linux: torch is what would have loaded it
-        import sys
+def _kmp_blocktime_from_env(started_before: bool, policy: str | None, blocktime: str | None) -> float:
+    """Intel's / LLVM's rule (``kmp_settings.cpp``), in milliseconds: ``KMP_BLOCKTIME`` (ms, ``infinite``, or
+    with a ``ms`` / ``us`` unit) wins over ``OMP_WAIT_POLICY`` (``ACTIVE``: infinite, ``PASSIVE``: 0); neither
+    set, 200. ``started_before``: the runtime read its environment before this module set KMP_BLOCKTIME (its
+    default then, whatever the environment says now)."""
+    if started_before:
+        return 200.0
+    if blocktime is not None and blocktime.strip():
+        v = blocktime.strip().lower()
+        if v in ("infinite", "infinity"):
+            return float("inf")
+        unit = 1e-3 if v.endswith("us") else 1.0
+        try:
+            return float(int(v[:-2] if v.endswith(("us", "ms")) else v)) * unit
+        except ValueError:
+            return 200.0  # the runtime warns and keeps its default
+    policy = (policy or "").strip().upper()
+    return float("inf") if policy == "ACTIVE" else 0.0 if policy == "PASSIVE" else 200.0
 
-        return "torch" in sys.modules
+
+def _kmp_blocktime(paths: list[str]) -> float | None:
+    """The block time (ms) an Intel / LLVM OpenMP runtime loaded from one of ``paths`` uses, from its own
+    ``kmp_get_blocktime()`` (which starts a runtime not yet started: it then reads ``KMP_BLOCKTIME`` as set
+    now); None where no such runtime answers."""
+    import ctypes
+
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).kmp_get_blocktime
+        except (OSError, AttributeError):
+            continue
+        fn.restype, fn.argtypes = ctypes.c_int, []
+        return float(fn())
+    return None
+
+
+def _is_gomp(path: str) -> bool:
+    return os.path.basename(path).startswith("libgomp")
+
+
+def _is_kmp(path: str) -> bool:
+    return os.path.basename(path).startswith(("libiomp5", "libomp.", "libomp-"))
+
+
+def _openmp_libraries(maps: str = "/proc/self/maps") -> list[str] | None:
+    """Paths of the OpenMP runtimes mapped in this process (libgomp, libiomp5, libomp), each once; None where
+    the process's maps cannot be read (not Linux)."""
+    try:
+        with open(maps) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    paths = dict.fromkeys(line.split(None, 5)[5] for line in lines if len(line.split(None, 5)) == 6)
+    return [p for p in paths if _is_gomp(p) or _is_kmp(p)]
+
+
+def _torch_imported() -> bool:
+    import sys
+
+    return "torch" in sys.modules
 
 
 __all__ = ["INSTALL_VARIABLES", "VARIABLES", "api_key", "exact_activations", "forced_isa", "forced_prefill", "home",
-           "keep_converted", "kernels_disabled", "openmp_spin_default", "openmp_spins_long", "tune_kernels"]
+           "keep_converted", "kernels_disabled", "openmp_spin_default", "openmp_spinning_runtime", "openmp_spins_long",
+           "tune_kernels"]

@@ -123,7 +123,8 @@ def parallel_torch(light: bool = False):
 def decode_threads():
     """The decode loop (``Decoder.step`` / ``add``: drafting, verification, sampling) inside ``serial_torch``
     where OpenMP's idle threads spin long after each torch op (``settings.openmp_spins_long``: torch was
-    imported before draftwise): its torch ops then never wake them, and the kernel's threads keep both cores.
+    imported before draftwise, or an Intel OpenMP runtime started before it): its torch ops then never wake
+    them, and the kernel's threads keep both cores.
     Measured there (AMD Zen 4, 2 cores, the six code prompts, `draft`): 18.6-19.1 s -> 15.1-16.1 s; with a
     short spin the loop is left as it is (the same either way). Only speed moves: greedy and seeded text are
     the same (the logits are the kernel's; top-p's renormalization is ``sampling.row_sum``)."""
@@ -615,8 +616,9 @@ def kernel_info() -> dict:
             "isa": isa(), "isa_multi_row": isa_multi(), "available_isas": available_isas(),
             "forced_by_env": settings.forced_isa(),
             "activations": "fp32" if activation_bits() == 32 else "int8",
-            "openmp_spin": "long: GNU OpenMP loaded before draftwise (import torch came first); the decode loop's "
-                           "torch ops run on one thread" if settings.openmp_spins_long() else "short"}
+            "openmp_spin": f"long ({settings.openmp_spinning_runtime()}: started before draftwise set its spin, "
+                           "or set long); the decode loop's torch ops run on one thread"
+                           if settings.openmp_spins_long() else "short"}
     if ext is not None:
         info["cpu_features"] = ext.cpu_features().split()
         from .gguf_quant import KQ_TYPES

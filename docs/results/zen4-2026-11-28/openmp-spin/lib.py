@@ -5,6 +5,7 @@ first = sys.argv[1]
 if first == "torch":
     import torch  # noqa: F401
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,7 +23,8 @@ prompts = [json.loads(line)["turns"][0] for line in open(Path(__file__).with_nam
 ids = [dw.encode(p) for p in prompts]
 dw.generate(ids[0], SamplingParams(max_tokens=8), method="draft")  # load both models, warm up
 row = {"first": first, "checkout": str(Path(draftwise.__file__).parent.parent.name),
-       "long_spin": openmp_spins_long() if openmp_spins_long else None}
+       "long_spin": openmp_spins_long() if openmp_spins_long else None,
+       "preload": os.path.basename(os.environ.get("LD_PRELOAD", ""))}  # libiomp5.so: torch's OpenMP is Intel's
 for method in sys.argv[2].split(","):
     t, n = time.perf_counter(), 0
     for x in ids:
