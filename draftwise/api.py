@@ -107,10 +107,11 @@ def build_decoder(spec: ModelSpec, *, method: str | None = None, progress: bool 
 
 
 def setup_threads(threads: int | None) -> None:
-    """torch's CPU threads: ``threads``, or every core (None)."""
-    import os
+    """torch's CPU threads (and so the kernel's): ``threads``, or every core this process may use (None:
+    ``cpus.usable_cores``, its CPU affinity capped by a container's CPU quota)."""
+    from .cpus import usable_cores
 
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    torch.set_num_threads(threads or usable_cores())
 
 
 @dataclass

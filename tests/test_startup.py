@@ -81,6 +81,7 @@ def test_tokenizer_read_meanwhile_on_a_spare_core(hf_folder, monkeypatch):
     tokenizer is the one that parse made (cached by content) and gives the plain path's ids and
     end-of-sequence set; without a spare core it is read after the weights."""
     import draftwise.models as models
+    from draftwise import cpus
 
     started = []
     real = models._read_tokenizer_meanwhile
@@ -91,9 +92,9 @@ def test_tokenizer_read_meanwhile_on_a_spare_core(hf_folder, monkeypatch):
         return fut
 
     monkeypatch.setattr(models, "_read_tokenizer_meanwhile", spy)
-    monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(cpus, "usable_cores", lambda: 64)
     a = models.load_model(str(hf_folder), "fp32", progress=False)
-    monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(cpus, "usable_cores", lambda: 1)
     b = models.load_model(str(hf_folder), "fp32", progress=False)
     assert started == [True, False]
     from draftwise.models.tokenizer import _RUST

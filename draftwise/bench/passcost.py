@@ -131,7 +131,9 @@ def add_arguments(p) -> None:
                    help="prompt lengths P for prefill tok/s ('' to skip; default 64,128,256,512)")
     p.add_argument("--context", type=int, default=64, help="cached tokens before each forward (default 64)")
     p.add_argument("--repeats", type=int, default=5, help="rounds; each cell is their median (default 5)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores this process may use: its CPU affinity, "
+                   "capped by a container's CPU quota)")
     p.add_argument("--llama", action="store_true", help="also llama.cpp on the same GGUF (llama-cpp-python)")
     p.add_argument("--out", default=None, help="write passcost.json and passcost.md into this folder")
 

@@ -88,7 +88,9 @@ def add_target_arg(p: argparse.ArgumentParser, help: str = "model") -> None:
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores this process may use: its CPU affinity, "
+                   "capped by a container's CPU quota)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -151,5 +153,5 @@ def model_spec(args) -> ModelSpec:
 
 
 def threads(args) -> None:
-    """torch's CPU threads from --threads (default: every core)."""
+    """torch's CPU threads from --threads (default: every core this process may use, ``cpus.usable_cores``)."""
     setup_threads(getattr(args, "threads", None))

@@ -53,7 +53,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     r = s.add_argument_group("scale-out (Ray Serve; pip install 'draftwise[ray]')")
     r.add_argument("--replicas", type=common.positive_int, default=1,
                    help="engine replicas behind one route as a Ray Serve deployment (default 1: this process "
-                        "serves alone, no Ray); each replica gets --threads CPUs (default: cores / replicas)")
+                        "serves alone, no Ray); each replica gets --threads CPUs (default: usable cores / replicas)")
     r.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="run the replicas on this running Ray cluster (e.g. auto, ray://head:10001) instead of "
                         "a local Ray instance; implies Ray Serve even with --replicas 1")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,8 +144,9 @@ def _read_tokenizer_meanwhile(folder: Path):
 
     if not (folder / "tokenizer.json").is_file():
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if cores <= torch.get_num_threads():
+    from ..cpus import usable_cores
+
+    if usable_cores() <= torch.get_num_threads():
         return None  # no spare core: the weights' re-packing uses every thread, a third would only slow it
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftwise-tokenizer")
     fut = pool.submit(_rust_tokenizer, folder / "tokenizer.json")

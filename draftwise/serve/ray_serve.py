@@ -20,9 +20,10 @@ or a ``serve deploy`` config (README). Ray is an optional extra: ``pip install -
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
+
+from ..cpus import usable_cores
 
 APP_NAME = "draftwise"
 DEPLOYMENT = "draftwise"
@@ -37,7 +38,7 @@ def spec_from_args(args) -> dict:
     cfg.validate()
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise InvalidParameterError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    threads = args.threads or max(1, usable_cores() // args.replicas)
     from ..api import ModelSpec
 
     model = ModelSpec.from_args(args)
@@ -120,7 +121,7 @@ def cmd_serve_ray(args) -> int:
     spec = spec_from_args(args)
     prepare_models(spec)
     ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning",
-             **({} if args.ray_address else {"num_cpus": os.cpu_count()}))
+             **({} if args.ray_address else {"num_cpus": usable_cores()}))
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         t0 = time.perf_counter()
