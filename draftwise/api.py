@@ -219,6 +219,9 @@ class SpeculativeDecoder:
         """``skip_layers`` ("3,5,7-12" or indices): the layers method layerskip skips, instead of the
         calibrated set (``layerskip_plan``). ``draft_vocab``: the tokens the draft model's head computes
         (``draft_head_tokens``): a count, "full", "auto", or None (``DRAFTWISE_DRAFT_VOCAB``, else "auto")."""
+        from .cpus import cap_torch_threads
+
+        cap_torch_threads()  # torch's default thread count ignores a container's CPU quota
         self.dtype, self.backend, self.progress = dtype, backend, progress
         self.draft_vocab = draft_vocab
         self.skip_layers = skip_layers

@@ -13,11 +13,13 @@ process's cgroup to the root), as Go's runtime and the JVM do.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+log = logging.getLogger("draftwise")
 
 
 def usable_cores() -> int:
@@ -26,6 +28,21 @@ def usable_cores() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     quota = cgroup_cpu_limit()
     return max(1, min(cores, math.ceil(quota)) if quota is not None else cores)
+
+
+def cap_torch_threads() -> int:
+    """Lower torch's thread count (which the kernel's threads follow) to ``usable_cores`` where it is above, unless
+    ``OMP_NUM_THREADS`` says otherwise: torch's default counts the CPU affinity but not a container's CPU quota.
+    The Python API calls it when a ``SpeculativeDecoder`` is made (the commands set ``--threads``). Returns the
+    thread count."""
+    import torch
+
+    n, usable = torch.get_num_threads(), usable_cores()
+    if n > usable and not os.environ.get("OMP_NUM_THREADS"):
+        log.info("torch threads %d -> %d: the cores this process may use (CPU affinity, cgroup CPU quota)", n, usable)
+        torch.set_num_threads(usable)
+        return usable
+    return n
 
 
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT, cgroup_file: Path = Path("/proc/self/cgroup")) -> float | None:

@@ -81,3 +81,40 @@ def test_this_machine():
     """On the machine the suite runs on: never more than the affinity, at least one."""
     n = cpus.usable_cores()
     assert 1 <= n <= (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+
+
+def test_a_decoder_caps_torchs_threads_to_the_usable_cores(monkeypatch):
+    """torch's default counts the affinity, not a CPU quota: the Python API lowers it (not where
+    OMP_NUM_THREADS was set, nor below what the user set)."""
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.setattr(cpus, "usable_cores", lambda: 1)
+        assert cpus.cap_torch_threads() == 1 and torch.get_num_threads() == 1
+        monkeypatch.setattr(cpus, "usable_cores", lambda: 8)
+        assert cpus.cap_torch_threads() == 1  # never raised
+        torch.set_num_threads(4)
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        monkeypatch.setattr(cpus, "usable_cores", lambda: 1)
+        assert cpus.cap_torch_threads() == 4 and torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_python_api_caps_them(hf_folder, monkeypatch):
+    import torch
+
+    from draftwise import SpeculativeDecoder
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpus, "usable_cores", lambda: 1)
+    try:
+        torch.set_num_threads(2)
+        SpeculativeDecoder(str(hf_folder), draft=None, progress=False)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
