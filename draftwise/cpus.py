@@ -37,8 +37,10 @@ def cap_torch_threads() -> int:
     thread count."""
     import torch
 
+    from .settings import omp_num_threads_set
+
     n, usable = torch.get_num_threads(), usable_cores()
-    if n > usable and not os.environ.get("OMP_NUM_THREADS"):
+    if n > usable and not omp_num_threads_set():
         log.info("torch threads %d -> %d: the cores this process may use (CPU affinity, cgroup CPU quota)", n, usable)
         torch.set_num_threads(usable)
         return usable

@@ -95,6 +95,12 @@ def draft_vocab() -> str | None:
     return _get("DRAFTWISE_DRAFT_VOCAB").lower() or None
 
 
+def omp_num_threads_set() -> bool:
+    """Whether the user set ``OMP_NUM_THREADS`` (the Python API then leaves torch's thread count as it is:
+    ``cpus.cap_torch_threads``)."""
+    return bool(os.environ.get("OMP_NUM_THREADS", "").strip())
+
+
 def openmp_spin_default() -> None:
     """Short idle spins for torch's OpenMP threads, set before torch loads its OpenMP runtime (``import draftwise``
     calls it): ``GOMP_SPINCOUNT=2000`` for GNU OpenMP (pip's torch) and ``KMP_BLOCKTIME=0`` for Intel's or LLVM's
@@ -228,5 +234,5 @@ def _torch_imported() -> bool:
 
 
 __all__ = ["INSTALL_VARIABLES", "VARIABLES", "api_key", "exact_activations", "forced_isa", "forced_prefill", "home",
-           "keep_converted", "kernels_disabled", "openmp_spin_default", "openmp_spinning_runtime", "openmp_spins_long",
-           "tune_kernels"]
+           "keep_converted", "kernels_disabled", "omp_num_threads_set", "openmp_spin_default", "openmp_spinning_runtime",
+           "openmp_spins_long", "tune_kernels"]
