@@ -25,9 +25,14 @@ log = logging.getLogger("draftwise")
 def usable_cores() -> int:
     """The cores this process may run on at once: its CPU affinity's count, capped by a cgroup CPU quota
     (rounded up); at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = affinity_cores()
     quota = cgroup_cpu_limit()
     return max(1, min(cores, math.ceil(quota)) if quota is not None else cores)
+
+
+def affinity_cores() -> int:
+    """The cores in this process's CPU affinity (a cpuset, ``taskset``); ``os.cpu_count()`` where it cannot be read."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def cap_torch_threads() -> int:

@@ -20,10 +20,13 @@ def run(args) -> int:
     import torch
 
     from .. import __version__
+    from ..cpus import affinity_cores, cgroup_cpu_limit, usable_cores
     from ..kernels import kernel_info
 
+    # threads: what the other commands run on without --threads (the CPU affinity, capped by a cgroup quota)
     info = {"draftwise": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), **kernel_info()}
+            "threads": usable_cores(), "cpu_affinity": affinity_cores(), "cpu_quota": cgroup_cpu_limit(),
+            **kernel_info()}
     if args.json:
         print(json.dumps(info))
         return 0
