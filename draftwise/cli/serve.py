@@ -107,6 +107,8 @@ def run(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    import torch
+
     from ..memory import freeze_heap
     from ..serve.engine import Engine, engine_config
     from ..serve.server import run_server
@@ -129,7 +131,8 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.target
     print(f"draftwise: serving {name!r} (method {cfg.method}, γ ≤ {cfg.gamma} {cfg.gamma_policy}) on "
           f"http://{args.host}:{args.port}/v1 — {engine.rows} cache rows × {engine.max_model_len} tokens "
-          f"({engine.rows * engine.row_bytes / 2**20:.0f} MiB KV), queue {cfg.max_queue}", file=sys.stderr)
+          f"({engine.rows * engine.row_bytes / 2**20:.0f} MiB KV), queue {cfg.max_queue}, "
+          f"{torch.get_num_threads()} threads", file=sys.stderr)
     try:
         return run_server(engine, name, args.host, args.port, args.api_key, args.log_level, args.shutdown_timeout)
     except OSError as e:  # port in use, address not available
