@@ -19,7 +19,8 @@ Each accessor reads the environment when called (not at import), so a variable s
 draftwise`` (a test's ``monkeypatch.setenv``) takes effect. The C++ kernel reads no variable: Python applies
 ``DRAFTWISE_ISA`` when it loads the kernel (``kernels.extension``) and reports a value it cannot use.
 
-One process-wide default is set here as well (``openmp_spin_default``): see its docstring.
+Process-wide defaults for torch's OpenMP runtime are set here as well (``openmp_spin_default``: GNU's and
+Intel's idle spin), and ``OMP_NUM_THREADS`` is read here (``omp_num_threads_set``): see their docstrings.
 """
 
 from __future__ import annotations
@@ -110,10 +111,9 @@ def openmp_spin_default() -> None:
     threads (kernels/csrc/core/pool.h) run the matmuls; a spinning OpenMP thread takes a core from them. A short
     spin: Qwen 1.5B, 60-token prompt, prefill 1.4-1.9 s -> 1.2-1.4 s (AMD Zen 3, 2 threads); with libiomp5
     preloaded, the six code prompts' `draft` 21.2 / 18.8 -> 16.5 / 15.1 s (AMD Zen 4, 2 threads). A value the
-    user set is kept.
-    It has no effect on a runtime that already read its environment (``import torch`` before ``import
-    draftwise``): ``openmp_spins_long`` then says so, and the decode loop keeps torch's ops off OpenMP's threads
-    instead (``kernels.decode_threads``)."""
+    user set is kept. It has no effect on a runtime that already read its environment (``import torch`` before
+    ``import draftwise``): ``openmp_spins_long`` then says so, and the decode loop keeps torch's ops off
+    OpenMP's threads instead (``kernels.decode_threads``)."""
     global _spins_long
     libs = _openmp_libraries()
     gomp = _long_spin(any(_is_gomp(p) for p in libs) if libs is not None else _torch_imported(),
