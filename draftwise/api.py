@@ -106,6 +106,10 @@ def build_decoder(spec: ModelSpec, *, method: str | None = None, progress: bool 
                               backend=spec.backend, progress=progress, skip_layers=spec.skip_layers)
 
 
+THREADS_HELP = ("torch CPU threads (default: the cores this process may use: its CPU affinity, capped by a "
+                "container's CPU quota)")  # --threads of every command (setup_threads)
+
+
 def setup_threads(threads: int | None) -> None:
     """torch's CPU threads (and so the kernel's): ``threads``, or every core this process may use (None:
     ``cpus.usable_cores``, its CPU affinity capped by a container's CPU quota)."""

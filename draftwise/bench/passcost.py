@@ -123,7 +123,7 @@ def run(target: str, sizes=SIZES, context: int = 64, repeats: int = 5, prefill=P
 
 
 def add_arguments(p) -> None:
-    from ..api import DEFAULT_TARGET
+    from ..api import DEFAULT_TARGET, THREADS_HELP
 
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"model name or GGUF path (default {DEFAULT_TARGET})")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="new-token counts T (default 1,2,4,8,16,32)")
@@ -131,18 +131,16 @@ def add_arguments(p) -> None:
                    help="prompt lengths P for prefill tok/s ('' to skip; default 64,128,256,512)")
     p.add_argument("--context", type=int, default=64, help="cached tokens before each forward (default 64)")
     p.add_argument("--repeats", type=int, default=5, help="rounds; each cell is their median (default 5)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the cores this process may use: its CPU affinity, "
-                   "capped by a container's CPU quota)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--llama", action="store_true", help="also llama.cpp on the same GGUF (llama-cpp-python)")
     p.add_argument("--out", default=None, help="write passcost.json and passcost.md into this folder")
 
 
 def cmd(a) -> int:
+    from ..api import setup_threads
     from ..errors import InvalidParameterError
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    setup_threads(a.threads)  # --threads, else the cores this process may use, as every command
     try:
         sizes = tuple(int(s) for s in a.sizes.split(",") if s.strip())
         prefill = tuple(int(s) for s in a.prefill.split(",") if s.strip())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..api import DEFAULT_DRAFT, DEFAULT_TARGET, ModelSpec, setup_threads, tree_width_help
+from ..api import DEFAULT_DRAFT, DEFAULT_TARGET, THREADS_HELP, ModelSpec, setup_threads, tree_width_help
 from ..drafters import registry
 from ..errors import InvalidParameterError
 from ..gamma import parse_gamma
@@ -88,9 +88,7 @@ def add_target_arg(p: argparse.ArgumentParser, help: str = "model") -> None:
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the cores this process may use: its CPU affinity, "
-                   "capped by a container's CPU quota)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
