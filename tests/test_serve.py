@@ -487,6 +487,33 @@ def test_full_server_answers_503_and_disconnects_free_slots(tiny_dw):
         assert post(srv, "/v1/chat/completions", chat_body()).status_code == 200
 
 
+def test_a_running_plain_request_is_cancelled_soon_after_its_client_leaves(tiny_dw):
+    """A non-streaming request whose tokens keep coming is still checked for its client every
+    DISCONNECT_POLL_S: the client gives up after 1 s, and the engine drops the request long before its 150
+    tokens (a step slowed to 40 ms: 6+ s) would have run. Before, only a request whose events stopped for
+    DISCONNECT_POLL_S (a queued one) was ever checked, so an abandoned running one ran to its end."""
+    engine = Engine(tiny_dw, EngineConfig(method="ar", max_model_len=200, max_batch=2, max_queue=2))
+    step = engine._step
+
+    def slow_step():
+        time.sleep(0.04)
+        step()
+    engine._step = slow_step
+    aborted = engine.metrics.finished.labels("abort")._value.get()
+    with BackgroundServer(engine, MODEL, api_key="sekret") as srv:
+        body = chat_body(max_tokens=150, ignore_eos=True, temperature=0)
+        t0 = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=1.0)
+        assert engine.snapshot()["running"] == 1  # it was running when its client left
+        deadline = t0 + 5
+        while engine.snapshot()["requests"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.snapshot()["requests"] == 0, "the abandoned request still runs"
+        assert engine.metrics.finished.labels("abort")._value.get() == aborted + 1
+        assert engine.steps < 100
+
+
 def test_metrics_names(tiny_server):
     text = httpx.get(tiny_server.base_url + "/metrics").text
     for name in ("draftwise_requests_total", "draftwise_generation_tokens_total", "draftwise_queue_depth",

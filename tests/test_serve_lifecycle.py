@@ -212,9 +212,17 @@ def test_disconnect_storm_leaves_the_server_serving_with_nothing_leaked(tiny_dw)
             t.start()
         for t in threads:
             t.join(120)
-        # the server keeps serving during the aftermath
-        r = httpx.post(srv.base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
-                       timeout=60)
+        # the server keeps serving during the aftermath: connections still in the listen backlog are read after
+        # their clients left and may fill the queue for a moment, so a 503 (with its Retry-After) is
+        # back-pressure, not a fault; a client that honours it is served once they are dropped
+        deadline = time.monotonic() + 60
+        while True:
+            r = httpx.post(srv.base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
+                           timeout=60)
+            if r.status_code != 503 or time.monotonic() > deadline:
+                break
+            assert r.headers.get("retry-after") == "1" and r.json()["error"]["code"] == "server_overloaded"
+            time.sleep(0.2)
         assert r.status_code == 200
         # every request ends (the plain ones are noticed within DISCONNECT_POLL_S), every row is free
         wait_for(lambda: engine.snapshot()["requests"] == 0, 60, "the engine's requests to end")

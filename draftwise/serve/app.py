@@ -283,14 +283,22 @@ class Reply:
     async def collect(self, request: Request):
         texts = [""] * len(self.seqs)
         open_ = len(self.seqs)
+        loop = asyncio.get_running_loop()
+        check_at = loop.time() + DISCONNECT_POLL_S
         try:
             while open_:
+                # every DISCONNECT_POLL_S, whether or not tokens came meanwhile: a running request's events
+                # never leave the queue empty that long, and its client may have gone all the same
                 try:
-                    ev = await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
+                    ev = await asyncio.wait_for(self.events.get(), max(0.0, check_at - loop.time()))
                 except TimeoutError:
+                    ev = None
+                if loop.time() >= check_at:
                     if await request.is_disconnected():
                         self.engine.cancel(self.rid)
                         return Response(status_code=499)
+                    check_at = loop.time() + DISCONNECT_POLL_S
+                if ev is None:
                     continue
                 if isinstance(ev, EngineFailure):
                     raise APIError(500, ev.message, "server_error")
