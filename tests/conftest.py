@@ -161,3 +161,20 @@ def smollm():
     from draftwise.models import load_model
 
     return load_model("smollm2-135m-instruct", "bf16", progress=False)
+
+
+# ---- running in parallel (pytest-xdist: `-n auto --dist loadgroup` in pyproject.toml's addopts) ----------
+def pytest_xdist_auto_num_workers(config) -> int:
+    """Workers for `-n auto`: the cores this process may use (a container's quota counted), at most 4 —
+    the tiny-model tests are single-threaded Python, and more workers only add start-up and memory."""
+    from draftwise.cpus import usable_cores
+
+    return max(1, min(usable_cores(), 4))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The real-weight tests (`slow`, `qwen`) run one after another on one worker: each uses every core's
+    kernel thread and holds a model of up to 1.5 GB, while the other workers run the tiny-model tests."""
+    for item in items:
+        if item.get_closest_marker("slow") or item.get_closest_marker("qwen"):
+            item.add_marker(pytest.mark.xdist_group("real-weights"))
