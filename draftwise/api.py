@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from collections.abc import Callable
 
 import torch
 
 from .beam import beam_search
 from .decode import Decoder, FixedGamma, GammaPolicy
+from .detok import PieceStream
 from .costs import AUTO_COST_SIZES, PassCosts, model_identity, prime  # noqa: F401  (AUTO_COST_SIZES: api users)
 from .gamma import MAX_GAMMA, AdaptiveGamma, parse_gamma
 from .drafters import registry
@@ -457,9 +459,12 @@ class SpeculativeDecoder:
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None, *,
                  method: str = "draft", gamma: int | str | GammaPolicy = "auto", chat: bool = False,
-                 drafter_options: dict | None = None, num_beams: int = 4,
-                 length_penalty: float = 1.0) -> GenerationResult:
-        """``method="beam"``: beam search (greedy only; ``num_beams``, ``length_penalty``; see beam.py)."""
+                 drafter_options: dict | None = None, num_beams: int = 4, length_penalty: float = 1.0,
+                 on_text: Callable[[list[tuple[str, str]]], None] | None = None) -> GenerationResult:
+        """``method="beam"``: beam search (greedy only; ``num_beams``, ``length_penalty``; see beam.py).
+        ``on_text``: called after each step with the new text as ``[(piece, kind), ...]``, a piece per new
+        token (``detok.PieceStream``); the pieces join to the result's ``text``. Beam search calls it once,
+        at the end."""
         params = params or SamplingParams()
         ids = list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
             else self.encode(prompt, chat)
@@ -470,8 +475,11 @@ class SpeculativeDecoder:
             with torch.inference_mode():
                 r = beam_search(self.target.model, ids, params, num_beams=num_beams, length_penalty=length_penalty,
                                 eos_ids=self.tokenizer.eos_ids)
-            return GenerationResult(self.tokenizer.decode(r.token_ids), r.token_ids, ["plain"] * len(r.token_ids),
-                                    method, r.finish_reason, r.stats)
+            result = GenerationResult(self.tokenizer.decode(r.token_ids), r.token_ids,
+                                      ["plain"] * len(r.token_ids), method, r.finish_reason, r.stats)
+            if on_text is not None and result.text:
+                on_text([(result.text, "plain")])
+            return result
         source, eos = None, self.tokenizer.eos_ids
         if self.is_encoder_decoder:  # the text is the encoder's source; the decoder starts from its own prompt
             if not registry.get(method).seq2seq:
@@ -486,7 +494,14 @@ class SpeculativeDecoder:
         dec = Decoder(self.target.model, drafter, policy, eos_ids=eos, detokenize=tok.decode,
                       rows=1, capacity=capacity)
         seq = Sequence(ids, params, encoder_ids=source)
+        stream = None if on_text is None else PieceStream(tok.decode, params.stop, on_text)
+
+        def step(seqs: list[Sequence]) -> None:
+            if seq.finish_reason is None:  # the last step's tokens go through finish: cut at a stop string
+                stream.step(seq.output_ids, seq.kinds)
         with torch.inference_mode():
-            dec.run([seq])
-        return GenerationResult(output_text(seq, tok.decode), seq.output_ids, seq.kinds, method,
-                                seq.finish_reason or "length", seq.stats)
+            dec.run([seq], on_step=None if stream is None else step)
+        text = output_text(seq, tok.decode)
+        if stream is not None:
+            stream.finish(seq.output_ids, seq.kinds, text)
+        return GenerationResult(text, seq.output_ids, seq.kinds, method, seq.finish_reason or "length", seq.stats)

@@ -22,7 +22,7 @@ from draftwise.gamma import AdaptiveGamma
 from draftwise.models import LoadedModel, load_model
 from draftwise.sampling import SamplingParams
 from draftwise.sequence import Sequence
-from draftwise.serve.detok import IncrementalDetokenizer
+from draftwise.detok import IncrementalDetokenizer
 from draftwise.serve.engine import Engine, EngineConfig, EngineFullError, Output
 from draftwise.serve.server import BackgroundServer
 from tests.conftest import perturbed

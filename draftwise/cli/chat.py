@@ -11,7 +11,7 @@ from ..api import SpeculativeDecoder, build_decoder, tree_options
 from ..drafters import registry
 from ..errors import DraftwiseError
 from . import common
-from .render import print_result
+from .render import LiveText, print_summary
 
 HELP = """commands:
   /method NAME     drafting method: {methods}
@@ -23,7 +23,7 @@ HELP = """commands:
   /stats           statistics of the last generation
   /settings        show the current settings
   /help            this text
-  /quit            leave"""
+  /quit            leave (or Ctrl-D; Ctrl-C stops a generation, at the prompt it leaves)"""
 
 
 COMMAND_HELP = "interactive session (/help inside)"
@@ -42,12 +42,19 @@ class ChatSession:
                 f"top_k={a.top_k} max_tokens={a.max_tokens} seed={a.seed} chat={self.chat} colour={self.colour}")
 
     def generate(self, prompt: str, method: str | None = None, show: bool = True):
+        """One generation; shown as it is made (``show``). Ctrl-C stops it and returns to the prompt."""
         method = method or self.method
-        res = self.dw.generate(prompt, common.sampling_params(self.args), method=method, gamma=self.gamma, chat=self.chat,
-                               drafter_options=tree_options(method, self.args.tree_width, self.args.heads,
-                                                            self.args.lookahead))
+        live = LiveText(self.console, colour=self.colour) if show else None
+        try:
+            res = self.dw.generate(prompt, common.sampling_params(self.args), method=method, gamma=self.gamma,
+                                   chat=self.chat, on_text=live,
+                                   drafter_options=tree_options(method, self.args.tree_width, self.args.heads,
+                                                                self.args.lookahead))
+        finally:
+            if live is not None:
+                live.end()
         if show:
-            print_result(res, self.dw.tokenizer, self.console, colour=self.colour)
+            print_summary(res, self.console, colour=self.colour)
         self.last = res
         return res
 
@@ -56,6 +63,7 @@ class ChatSession:
         parts = line.split()
         cmd, arg = parts[0].lower(), (parts[1] if len(parts) > 1 else None)
         a = self.args
+        changed = False
         setters = {"/temp": ("temperature", float), "/top_p": ("top_p", float), "/top_k": ("top_k", int),
                    "/seed": ("seed", int), "/max": ("max_tokens", int)}
         if cmd in ("/quit", "/exit", "/q"):
@@ -67,26 +75,28 @@ class ChatSession:
                 self.console.print(f"unknown method {arg!r}; choose one of {', '.join(registry.names())}")
             else:
                 self.method = arg
+                changed = True
         elif cmd == "/gamma":
             if arg == "auto":
-                self.gamma = arg
+                self.gamma, changed = arg, True
             elif arg is None or not arg.isdigit() or int(arg) < 1:
                 self.console.print("gamma must be an integer >= 1 or auto")
             else:
-                self.gamma = int(arg)
+                self.gamma, changed = int(arg), True
         elif cmd in setters:
             name, conv = setters[cmd]
             old = getattr(a, name)
             try:
                 setattr(a, name, conv(arg))
                 common.sampling_params(a)  # validate
+                changed = True
             except (TypeError, ValueError, DraftwiseError) as e:
                 setattr(a, name, old)
                 self.console.print(f"not changed: {e}", markup=False)
         elif cmd == "/chat":
-            self.chat = not self.chat
+            self.chat, changed = not self.chat, True
         elif cmd == "/color":
-            self.colour = not self.colour
+            self.colour, changed = not self.colour, True
         elif cmd == "/stats":
             if self.last is None:
                 self.console.print("no generation yet")
@@ -99,6 +109,8 @@ class ChatSession:
             self.compare(arg or self.method)
         else:
             self.console.print(f"unknown command {cmd}; /help lists them", markup=False)
+        if changed:  # say what the next generation will use
+            self.console.print(self.settings(), markup=False)
         return True
 
     def compare(self, method: str) -> None:
@@ -131,15 +143,17 @@ class ChatSession:
             line = line.strip()
             if not line:
                 continue
-            if line.startswith("/"):
-                if not self.command(line):
-                    return 0
-                continue
-            self.last_prompt = line
             try:
+                if line.startswith("/"):
+                    if not self.command(line):
+                        return 0
+                    continue
+                self.last_prompt = line
                 self.generate(line)
             except DraftwiseError as e:
                 self.console.print(f"error: {e}", markup=False)
+            except KeyboardInterrupt:  # Ctrl-C stops this generation (or /compare); at the prompt it leaves
+                self.console.print("[dim](stopped)[/]")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -152,4 +166,4 @@ def run(args) -> int:
     common.threads(args)
     # the draft model (with --draft-dtype) is loaded when a method first drafts with it: /method can change
     dw = build_decoder(common.model_spec(args))
-    return ChatSession(dw, args, Console(highlight=False)).loop()
+    return ChatSession(dw, args, Console(highlight=False, soft_wrap=True)).loop()  # the terminal wraps

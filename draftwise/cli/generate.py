@@ -9,7 +9,7 @@ from ..api import BEAM, build_decoder, tree_options
 from ..drafters import registry
 from ..errors import InvalidParameterError
 from . import common
-from .render import print_result
+from .render import LiveText, print_summary
 
 HELP = "generate a completion for PROMPT"
 
@@ -38,11 +38,15 @@ def run(args) -> int:
         raise InvalidParameterError("empty prompt")
     common.threads(args)
     dw = build_decoder(common.model_spec(args), method=args.method, progress=not args.json)
+    console = Console(no_color=args.no_color, highlight=False, soft_wrap=True)  # the terminal wraps
+    live = None if args.json else LiveText(console, colour=not args.no_color)  # the text as it is made
     result = dw.generate(args.prompt, params, method=args.method, gamma=args.gamma, chat=args.chat,
                          num_beams=args.num_beams, length_penalty=args.length_penalty,
-                         drafter_options=tree_options(args.method, args.tree_width, args.heads, args.lookahead))
+                         drafter_options=tree_options(args.method, args.tree_width, args.heads, args.lookahead),
+                         on_text=live)
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
         return 0
-    print_result(result, dw.tokenizer, Console(no_color=args.no_color, highlight=False), colour=not args.no_color)
+    live.end()
+    print_summary(result, console, colour=not args.no_color)
     return 0

@@ -6,25 +6,25 @@ LEGEND = "  ([green]accepted draft[/] [bold red]corrected[/] [bold blue]bonus[/]
 COLOURS = {"plain": "", "accepted": "green", "recovered": "bold red", "bonus": "bold blue"}
 
 
-def render(result, tokenizer, console, colour: bool = True) -> None:
-    """Print the output text with each token coloured by how it was produced."""
-    from rich.text import Text
+class LiveText:
+    """Prints a generation's pieces as they come (``SpeculativeDecoder.generate(on_text=...)``), each
+    coloured by how its token was produced; ``end`` finishes the line."""
 
-    if not colour:
-        console.print(result.text, markup=False, highlight=False)
-        return
-    out = Text()
-    prev = ""
-    ids = result.token_ids
-    for i in range(len(ids)):
-        cur = tokenizer.decode(ids[:i + 1])
-        piece = cur[len(prev):] if cur.startswith(prev) else ""
-        limit = len(result.text) - len(prev)
-        if limit <= 0:
-            break
-        out.append(piece[:limit], style=COLOURS.get(result.kinds[i], ""))
-        prev = cur
-    console.print(out)
+    def __init__(self, console, colour: bool = True):
+        self.console, self.colour = console, colour
+
+    def __call__(self, pieces: list[tuple[str, str]]) -> None:
+        from rich.text import Text
+
+        out = Text()
+        for piece, kind in pieces:
+            out.append(piece, style=COLOURS.get(kind, "") if self.colour else "")
+        # soft_wrap: the terminal wraps; rich must not break a line that later pieces continue
+        self.console.print(out, end="", soft_wrap=True)
+        self.console.file.flush()
+
+    def end(self) -> None:
+        self.console.print()
 
 
 def summary_line(result) -> str:
@@ -34,9 +34,9 @@ def summary_line(result) -> str:
             f"prefill {s.prefill_s:.2f}s draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s")
 
 
-def print_result(result, tokenizer, console, colour: bool = True) -> None:
-    """The coloured text, then the summary line (with the colours' legend)."""
+def print_summary(result, console, colour: bool = True) -> None:
+    """The summary line (with the colours' legend)."""
     from rich.markup import escape
 
-    render(result, tokenizer, console, colour=colour)
-    console.print(f"[dim]{escape(summary_line(result))}[/]{LEGEND if colour else ''}")
+    console.print(f"[dim]{escape(summary_line(result))}[/]{LEGEND if colour else ''}", soft_wrap=True)
+

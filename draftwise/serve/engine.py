@@ -66,7 +66,7 @@ from ..gamma import AdaptiveGamma
 from ..memory import hold_freed_memory, trim_heap
 from ..models.base import KVCache
 from ..sequence import Sequence
-from .detok import IncrementalDetokenizer
+from ..detok import IncrementalDetokenizer
 from .metrics import EngineMetrics
 
 log = logging.getLogger("draftwise.serve")
