@@ -577,6 +577,43 @@ def test_cli_serve_process(hf_folder):
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+    assert f"on http://127.0.0.1:{port}/v1" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--port", "99999"], "a TCP port is 0-65535, got '99999'"),
+    (["--port", "http"], "a TCP port is 0-65535, got 'http'"),
+])
+def test_serve_refuses_a_bad_port(argv, says, capsys):
+    from draftwise.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *argv])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_serve_says_the_port_is_taken_before_loading_anything(hf_folder, capsys, monkeypatch):
+    """A port in use (or an address this machine lacks, a host that does not resolve) is a clear error at
+    once, before the model loads; it used to surface as uvicorn's log and exit status 3 after the load."""
+    import socket
+
+    from draftwise.cli import main
+    from draftwise.cli import serve as serve_cli
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(serve_cli, "build_decoder", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--target", str(hf_folder), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{port}: Address already in use (another server? choose another --port)" in err
+    assert main(["serve", "--target", str(hf_folder), "--host", "no-such-host.invalid"]) == 2
+    assert "cannot serve on no-such-host.invalid:8000: unknown host" in capsys.readouterr().err
+    assert main(["serve", "--target", str(hf_folder), "--host", "192.0.2.1"]) == 2  # TEST-NET-1: not ours
+    assert "cannot serve on 192.0.2.1:8000: Cannot assign requested address" in capsys.readouterr().err
 
 
 def test_adaptive_gamma_is_not_trapped_by_draft_catch_up_costs():

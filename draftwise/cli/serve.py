@@ -4,6 +4,7 @@ are imported when a command runs, so the rest of the CLI works without the ``ser
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import sys
 
@@ -42,7 +43,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     common.add_model_args(s)
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0: any free one, printed)")
     s.add_argument("--api-key", default=settings.api_key(),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DRAFTWISE_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: --target)")
@@ -125,18 +126,55 @@ def cmd_serve(args) -> int:
 
         return cmd_serve_ray(args)
     common.threads(args)
-    dw = build_decoder(common.model_spec(args), method=cfg.method)
-    engine = Engine(dw, cfg)
-    freeze_heap()  # torch, the models, the tokenizers: never walked by the collections serving triggers
-    name = args.served_model_name or args.target
-    print(f"draftwise: serving {name!r} (method {cfg.method}, γ ≤ {cfg.gamma} {cfg.gamma_policy}) on "
-          f"http://{args.host}:{args.port}/v1 — {engine.rows} cache rows × {engine.max_model_len} tokens "
-          f"({engine.rows * engine.row_bytes / 2**20:.0f} MiB KV), queue {cfg.max_queue}, "
-          f"{torch.get_num_threads()} threads", file=sys.stderr)
+    sock = listen_socket(args.host, args.port)  # before the load: a port in use is said at once, not minutes later
     try:
-        return run_server(engine, name, args.host, args.port, args.api_key, args.log_level, args.shutdown_timeout)
-    except OSError as e:  # port in use, address not available
+        dw = build_decoder(common.model_spec(args), method=cfg.method)
+        engine = Engine(dw, cfg)
+        freeze_heap()  # torch, the models, the tokenizers: never walked by the collections serving triggers
+        name = args.served_model_name or args.target
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+        print(f"draftwise: serving {name!r} (method {cfg.method}, γ ≤ {cfg.gamma} {cfg.gamma_policy}) on "
+              f"{url} — {engine.rows} cache rows × {engine.max_model_len} tokens "
+              f"({engine.rows * engine.row_bytes / 2**20:.0f} MiB KV), queue {cfg.max_queue}, "
+              f"{torch.get_num_threads()} threads", file=sys.stderr)
+        return run_server(engine, name, sock, args.api_key, args.log_level, args.shutdown_timeout)
+    except OSError as e:
         raise DraftwiseError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
+    finally:
+        sock.close()
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {text!r}")
+    return port
+
+
+def listen_socket(host: str, port: int):
+    """A socket bound to ``host:port`` (the address family from the host: IPv4, IPv6 or a name), for uvicorn
+    to listen on. Errors (the port in use, an address this machine does not have, a privileged port, an
+    unknown host name) are a DraftwiseError naming the address."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise DraftwiseError(f"cannot serve on {host}:{port}: unknown host ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        hint = " (another server? choose another --port)" if e.errno == errno.EADDRINUSE else ""
+        raise DraftwiseError(f"cannot serve on {host}:{port}: {e.strerror or e}{hint}") from None
+    return sock
 
 
 def _is_loopback(host: str) -> bool:

@@ -72,17 +72,18 @@ class DrainingServer(uvicorn.Server):
         return False
 
 
-def run_server(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-               api_key: str | None = None, log_level: str = "info",
-               shutdown_timeout: float = SHUTDOWN_TIMEOUT_S) -> int:
-    """Serve until a signal (SIGTERM / Ctrl-C drain, then exit). Returns the exit status: 0."""
+def run_server(engine: Engine, model_name: str, sock: socket.socket, api_key: str | None = None,
+               log_level: str = "info", shutdown_timeout: float = SHUTDOWN_TIMEOUT_S) -> int:
+    """Serve on ``sock`` (bound, not yet listening: ``cli.serve.listen_socket``) until a signal (SIGTERM /
+    Ctrl-C drain, then exit). Returns the exit status: 0."""
     app = create_app(engine, model_name, api_key)
+    host, port = sock.getsockname()[:2]  # for uvicorn's "running on" line; it serves the socket
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
     server = DrainingServer(config, engine, shutdown_timeout)
-    server.run()
-    if not server.started:  # the socket could not be bound (uvicorn logged why)
-        raise OSError(f"uvicorn did not start on {host}:{port}")
+    server.run(sockets=[sock])
+    if not server.started:  # uvicorn logged why
+        raise OSError(f"uvicorn did not start on {sock.getsockname()}")
     return 0
 
 
