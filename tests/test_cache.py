@@ -124,6 +124,12 @@ def test_rm_errors_and_confirmation(home, capsys, monkeypatch):
     code = main(["cache", "rm", "no-such-model", "--yes"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "no cache entry named 'no-such-model'" in err
+    for i in range(300):  # kernel notes and the like pile up: counted, not listed
+        (h / "kernels").mkdir(exist_ok=True)
+        (h / "kernels" / f"costs-{i:04x}.json").write_text("{}")
+    assert main(["cache", "rm", "no-such-model", "--yes"]) == 2
+    err = capsys.readouterr().err
+    assert "fake-1b" in err and "costs-" not in err and "300 other entries: draftwise cache ls" in err
     monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # not a terminal: --yes required
     code = main(["cache", "rm", "fake-1b"])
     assert code == 2 and "--yes" in capsys.readouterr().err and gguf.exists()

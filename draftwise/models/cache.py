@@ -199,8 +199,10 @@ def select(entries: list[Entry], name: str | None = None, all_: bool = False, wh
     chosen = [e for e in entries if (wheels and e.kind == "wheels")
               or (stale and e.state == "stale") or (name is not None and e.name == name)]
     if name is not None and name not in MODELS and not chosen:
-        known = ", ".join(sorted({e.name for e in entries} | set(MODELS)))
-        raise DraftwiseError(f"no cache entry named {name!r} (known: {known})")
+        models = sorted({e.name for e in entries if e.kind in ("model", "converted", "wheels")} | set(MODELS))
+        others = len({e.name for e in entries} - set(models))  # kernel notes, heads, ...: hundreds, in time
+        more = f"; {others} other entries: draftwise cache ls" if others else ""
+        raise DraftwiseError(f"no cache entry named {name!r} (models: {', '.join(models)}{more})")
     return chosen
 
 
