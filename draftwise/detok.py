@@ -90,7 +90,7 @@ class PieceStream:
             return
         pieces, end = [], start
         for t, k in zip(ids[self.done:], kinds[self.done:]):
-            piece = self.detok.push([t])[:max(0, len(text) - end)]
+            piece = text[end:end + len(self.detok.push([t]))]  # the final text's own characters, to its cut
             pieces.append((piece, k))
             end += len(piece)
         if end < len(text):  # held back as a possible stop string's start, which it was not

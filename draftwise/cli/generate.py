@@ -40,13 +40,16 @@ def run(args) -> int:
     dw = build_decoder(common.model_spec(args), method=args.method, progress=not args.json)
     console = Console(no_color=args.no_color, highlight=False, soft_wrap=True)  # the terminal wraps
     live = None if args.json else LiveText(console, colour=not args.no_color)  # the text as it is made
-    result = dw.generate(args.prompt, params, method=args.method, gamma=args.gamma, chat=args.chat,
-                         num_beams=args.num_beams, length_penalty=args.length_penalty,
-                         drafter_options=tree_options(args.method, args.tree_width, args.heads, args.lookahead),
-                         on_text=live)
+    try:
+        result = dw.generate(args.prompt, params, method=args.method, gamma=args.gamma, chat=args.chat,
+                             num_beams=args.num_beams, length_penalty=args.length_penalty,
+                             drafter_options=tree_options(args.method, args.tree_width, args.heads, args.lookahead),
+                             on_text=live)
+    finally:  # the line ends, also when Ctrl-C stops the generation
+        if live is not None:
+            live.end()
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
         return 0
-    live.end()
     print_summary(result, console, colour=not args.no_color)
     return 0

@@ -138,9 +138,10 @@ def cmd_serve(args) -> int:
               f"{url} — {engine.rows} cache rows × {engine.max_model_len} tokens "
               f"({engine.rows * engine.row_bytes / 2**20:.0f} MiB KV), queue {cfg.max_queue}, "
               f"{torch.get_num_threads()} threads", file=sys.stderr)
-        return run_server(engine, name, sock, args.api_key, args.log_level, args.shutdown_timeout)
-    except OSError as e:
-        raise DraftwiseError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
+        try:
+            return run_server(engine, name, sock, args.api_key, args.log_level, args.shutdown_timeout)
+        except OSError as e:
+            raise DraftwiseError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
     finally:
         sock.close()
 

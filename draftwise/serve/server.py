@@ -77,7 +77,7 @@ def run_server(engine: Engine, model_name: str, sock: socket.socket, api_key: st
     """Serve on ``sock`` (bound, not yet listening: ``cli.serve.listen_socket``) until a signal (SIGTERM /
     Ctrl-C drain, then exit). Returns the exit status: 0."""
     app = create_app(engine, model_name, api_key)
-    host, port = sock.getsockname()[:2]  # for uvicorn's "running on" line; it serves the socket
+    host, port = sock.getsockname()[:2]  # the config's address: uvicorn serves the socket itself
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
     server = DrainingServer(config, engine, shutdown_timeout)
