@@ -26,10 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                    "default: Spec-Bench's 480 prompts, shipped with draftwise")
     p.add_argument("--categories", default=None, help="comma-separated categories (e.g. mt_bench,math_reasoning)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); outputs are checked against ar when greedy or seeded")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help=common.SEED_HELP)
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed warm-up run per method")
     p.add_argument("--bandwidth-gib", type=float, default=0.5,
                    help="GiB streamed to measure memory bandwidth for the roofline (0 = skip)")

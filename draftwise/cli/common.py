@@ -119,6 +119,10 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookahead", type=lookahead_spec, default=None, metavar="W,N,G", help=lookahead_help())
 
 
+SEED_HELP = ("a sampled text becomes a function of the seed: every method and gamma give ar's text with it "
+             "(default: none, a fresh draw each run)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser, methods: tuple[str, ...] | None = None) -> None:
     """--method (the registered methods, or ``methods``), --gamma, the sampling parameters, the tree options."""
     p.add_argument("--method", default=DEFAULT_METHOD, choices=methods or registry.names(),
@@ -127,11 +131,12 @@ def add_sampling_args(p: argparse.ArgumentParser, methods: tuple[str, ...] | Non
     p.add_argument("--gamma", type=gamma_arg, default="auto",
                    help="draft tokens per step, or auto (default): chosen each step from the measured cost of "
                         "verifying k tokens and the running acceptance")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (default 0: off)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the fewest tokens whose probability reaches P, in (0, 1] (default 1: off)")
+    p.add_argument("--seed", type=int, default=None, help=SEED_HELP)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_tree_args(p)
 

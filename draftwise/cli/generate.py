@@ -15,7 +15,7 @@ HELP = "generate a completion for PROMPT"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the text to continue (with --chat: the user's message)")
     common.add_model_args(p)
     common.add_sampling_args(p, (*registry.names(), BEAM))
     p.add_argument("--num-beams", type=int, default=4, help="beams of --method beam (default 4)")
