@@ -4,7 +4,6 @@ are imported when a command runs, so the rest of the CLI works without the ``ser
 from __future__ import annotations
 
 import argparse
-import errno
 import ipaddress
 import sys
 
@@ -112,7 +111,7 @@ def cmd_serve(args) -> int:
 
     from ..memory import freeze_heap
     from ..serve.engine import Engine, engine_config
-    from ..serve.server import run_server
+    from ..serve.server import listen_socket, run_server
 
     cfg = engine_config(args)
     cfg.validate()  # before loading anything
@@ -154,28 +153,6 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {text!r}")
     return port
-
-
-def listen_socket(host: str, port: int):
-    """A socket bound to ``host:port`` (the address family from the host: IPv4, IPv6 or a name), for uvicorn
-    to listen on. Errors (the port in use, an address this machine does not have, a privileged port, an
-    unknown host name) are a DraftwiseError naming the address."""
-    import socket
-
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as e:
-        raise DraftwiseError(f"cannot serve on {host}:{port}: unknown host ({e.strerror})") from None
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        hint = " (another server? choose another --port)" if e.errno == errno.EADDRINUSE else ""
-        raise DraftwiseError(f"cannot serve on {host}:{port}: {e.strerror or e}{hint}") from None
-    return sock
 
 
 def _is_loopback(host: str) -> bool:

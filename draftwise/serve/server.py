@@ -11,6 +11,7 @@ A second signal exits at once (status 1), dropping whatever was running.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 import sys
@@ -19,6 +20,7 @@ import time
 
 import uvicorn
 
+from ..errors import DraftwiseError
 from .app import create_app
 from .engine import Engine
 
@@ -72,9 +74,29 @@ class DrainingServer(uvicorn.Server):
         return False
 
 
+def listen_socket(host: str, port: int):
+    """A socket bound to ``host:port`` (the address family from the host: IPv4, IPv6 or a name), for uvicorn
+    to listen on. Errors (the port in use, an address this machine does not have, a privileged port, an
+    unknown host name) are a DraftwiseError naming the address."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise DraftwiseError(f"cannot serve on {host}:{port}: unknown host ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        hint = " (another server? choose another --port)" if e.errno == errno.EADDRINUSE else ""
+        raise DraftwiseError(f"cannot serve on {host}:{port}: {e.strerror or e}{hint}") from None
+    return sock
+
+
 def run_server(engine: Engine, model_name: str, sock: socket.socket, api_key: str | None = None,
                log_level: str = "info", shutdown_timeout: float = SHUTDOWN_TIMEOUT_S) -> int:
-    """Serve on ``sock`` (bound, not yet listening: ``cli.serve.listen_socket``) until a signal (SIGTERM /
+    """Serve on ``sock`` (bound, not yet listening: ``listen_socket``) until a signal (SIGTERM /
     Ctrl-C drain, then exit). Returns the exit status: 0."""
     app = create_app(engine, model_name, api_key)
     host, port = sock.getsockname()[:2]  # the config's address: uvicorn serves the socket itself
@@ -97,9 +119,7 @@ class BackgroundServer:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, host: str = "127.0.0.1"):
         self.engine = engine
         self.app = create_app(engine, model_name, api_key)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))  # the kernel picks a free port; uvicorn serves this very socket
+        self.sock = listen_socket(host, 0)  # the kernel picks a free port; uvicorn serves this very socket
         self.host, self.port = self.sock.getsockname()[:2]
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
         self.server = DrainingServer(config, engine)
