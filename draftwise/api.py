@@ -28,6 +28,7 @@ from .drafters.suffix import SuffixCache
 from .errors import IncompatibleModelsError, InvalidParameterError
 from .models import LoadedModel, default_draft_weights, load_model
 from .models.base import is_encoder_decoder
+from .prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache, chunked
 from .sampling import SamplingParams
 from .sequence import GenerationStats, Sequence
 
@@ -76,7 +77,8 @@ class ModelSpec:
     """What a decoder loads, in one shape for every caller (the command line, chat, the server and its Ray
     replicas, the benchmark and its footprint children): the target, the draft model (None: none; it is
     loaded lazily, by the first method that drafts with it), their weight formats, the backend, the layers
-    method layerskip skips (None: the calibrated set) and the draft heads (None: the target's default)."""
+    method layerskip skips (None: the calibrated set), the draft heads (None: the target's default) and the
+    prefix cache's MiB per model (0: none)."""
 
     target: str = DEFAULT_TARGET
     draft: str | None = DEFAULT_DRAFT
@@ -85,6 +87,7 @@ class ModelSpec:
     backend: str = "native"
     skip_layers: str | None = None
     heads: str | None = None
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
 
     @classmethod
     def from_args(cls, args) -> "ModelSpec":
@@ -105,7 +108,8 @@ def build_decoder(spec: ModelSpec, *, method: str | None = None, progress: bool 
     if method is not None:
         spec = spec.for_method(method)
     return SpeculativeDecoder(spec.target, spec.draft, dtype=spec.dtype, draft_dtype=spec.draft_dtype,
-                              backend=spec.backend, progress=progress, skip_layers=spec.skip_layers)
+                              backend=spec.backend, progress=progress, skip_layers=spec.skip_layers,
+                              prefix_cache_mb=spec.prefix_cache_mb)
 
 
 THREADS_HELP = ("torch CPU threads (default: the cores this process may use: its CPU affinity, capped by a "
@@ -221,11 +225,19 @@ class SpeculativeDecoder:
     def __init__(self, target: str | LoadedModel = DEFAULT_TARGET, draft: str | LoadedModel | None = DEFAULT_DRAFT,
                  *, dtype: str = "auto", draft_dtype: str | None = None, backend: str = "native",
                  progress: bool = True, skip_layers: str | list[int] | None = None,
-                 draft_vocab: int | str | None = None):
+                 draft_vocab: int | str | None = None, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
         """``skip_layers`` ("3,5,7-12" or indices): the layers method layerskip skips, instead of the
         calibrated set (``layerskip_plan``). ``draft_vocab``: the tokens the draft model's head computes
-        (``draft_head_tokens``): a count, "full", "auto", or None (``DRAFTWISE_DRAFT_VOCAB``, else "auto")."""
+        (``draft_head_tokens``): a count, "full", "auto", or None (``DRAFTWISE_DRAFT_VOCAB``, else "auto").
+        ``prefix_cache_mb``: MiB of prompt keys and values each model keeps for later prompts that start the
+        same way (``prefix.py``; 0: none); it never changes the output."""
         from .cpus import cap_torch_threads
+
+        if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) \
+                or not prefix_cache_mb >= 0:
+            raise InvalidParameterError(f"prefix_cache_mb must be a number >= 0, got {prefix_cache_mb!r}")
+        self.prefix_cache_mb = prefix_cache_mb
+        self._prefix_caches: dict[int, tuple[object, PrefixCache]] = {}  # id(model) -> (model, its cache)
 
         cap_torch_threads()  # torch's default thread count ignores a container's CPU quota
         self.dtype, self.backend, self.progress = dtype, backend, progress
@@ -251,6 +263,17 @@ class SpeculativeDecoder:
     @property
     def tokenizer(self):
         return self.target.tokenizer
+
+    def prefix_cache(self, model=None) -> PrefixCache | None:
+        """The prefix cache of ``model`` (default: the target's), shared by every method and request of this
+        decoder; None where ``prefix_cache_mb`` is 0 or the model does not prefill in chunks (``prefix.chunked``)."""
+        model = self.target.model if model is None else model
+        if self.prefix_cache_mb <= 0 or not chunked(model):
+            return None
+        held = self._prefix_caches.get(id(model))
+        if held is None:
+            held = self._prefix_caches[id(model)] = (model, PrefixCache(int(self.prefix_cache_mb * 2**20)))
+        return held[1]
 
     @property
     def draft(self) -> LoadedModel:
@@ -492,7 +515,7 @@ class SpeculativeDecoder:
         drafter = self.make_drafter(method, 1, capacity, **(drafter_options or {}))
         tok = self.tokenizer
         dec = Decoder(self.target.model, drafter, policy, eos_ids=eos, detokenize=tok.decode,
-                      rows=1, capacity=capacity)
+                      rows=1, capacity=capacity, prefix_cache=self.prefix_cache())
         seq = Sequence(ids, params, encoder_ids=source)
         stream = None if on_text is None else PieceStream(tok.decode, params.stop, on_text)
 

@@ -27,6 +27,7 @@ from .drafters.base import Draft, Drafter, needs_of
 from .errors import InvalidParameterError, PromptTooLongError
 from .kernels import in_decode_threads
 from .models.base import MAX_TREE_TOKENS, CausalLM, is_encoder_decoder
+from .prefix import PrefixCache, prefill
 from .sampling import argmax, logits_to_probs, sample, sample_at
 from .sequence import ACCEPTED, BONUS, PLAIN, RECOVERED, Sequence
 from .verify import (VerifyResult, verify_greedy, verify_keyed, verify_sampled, verify_tree_greedy,
@@ -97,12 +98,15 @@ class Decoder:
 
     ``rows`` bounds the running batch; ``capacity`` the tokens per sequence (prompt + output + draft
     headroom). Running sequences always occupy cache rows 0..B-1 (compacted when one leaves).
+    ``prefix_cache``: prompts start after the longest prefix it holds; a prompt's blocks, and a sequence's
+    when it leaves, are kept there (``prefix.py``; the output is the same bits with or without it).
     """
 
     def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: GammaPolicy | None = None,
                  *, eos_ids: frozenset[int] = frozenset(), detokenize=None, rows: int = 1,
-                 capacity: int | None = None):
+                 capacity: int | None = None, prefix_cache: PrefixCache | None = None):
         self.target = target
+        self.prefix_cache = prefix_cache
         self.drafter = drafter
         self.gamma = gamma if gamma is not None else FixedGamma(4)
         self.eos_ids = eos_ids
@@ -161,7 +165,11 @@ class Decoder:
             self.target.encode(row, seq.encoder_ids)
         # a drafter whose context is the target's states at every prompt position (eagle) gets them all
         every = {"all_hidden": True} if self.needs.prompt_hidden else {}
-        out = self.target.forward(torch.tensor([seq.prompt_ids]), row, logits_for="last", **every, **self._taps)
+        # the prompt in fixed chunks, after the longest prefix the cache holds (not where the drafter reads every
+        # prompt position's state: the cache keeps keys and values only)
+        prefix = self.prefix_cache if seq.encoder_ids is None and not every else None
+        out, seq.stats.cached_tokens = prefill(self.target, seq.prompt_ids, row, prefix=prefix, logits_for="last",
+                                               **every, **self._taps)
         logits = out.logits[0, -1]  # (V,)
         p = seq.params
         if p.greedy:
@@ -295,6 +303,9 @@ class Decoder:
             self._remove(seq)
 
     def _remove(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None and seq.error is None and seq.encoder_ids is None:
+            # its tokens' keys and values (all but the last's) for a later prompt that starts with them
+            self.prefix_cache.store(seq.tokens, self.cache.view(slice(seq.row, seq.row + 1)), len(seq.tokens) - 1)
         if self.drafter is not None:
             self.drafter.release(seq)
         idx = self.running.index(seq)

@@ -21,6 +21,7 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     target_passes: int = 0  # target forwards that emitted tokens, prefill included
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache (not computed)
     accepted_by_position: list[int] = field(default_factory=list)  # accepted[i]: drafts at position i kept
     drafted_by_position: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
@@ -70,6 +71,7 @@ class GenerationStats:
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "target_passes": self.target_passes,
+            "cached_tokens": self.cached_tokens,
             "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in
                                        zip(self.accepted_by_position, self.drafted_by_position)],
             **({"choices": dict(self.choices)} if self.choices else {}),

@@ -77,6 +77,17 @@ def perturbed(model: Transformer, noise: float, seed: int) -> Transformer:
     return other
 
 
+def through_kernel(m: Transformer) -> Transformer:
+    """``m`` with every nn.Linear replaced by the batch-invariant kernel on the same fp32 weights (in place)."""
+    from draftwise.kernels import QLinear
+
+    for mod in list(m.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(mod, name, QLinear.dense(child.weight.float(), child.bias))
+    return m
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> Transformer:
     return random_model(TINY_QWEN, seed=0)

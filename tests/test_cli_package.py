@@ -80,8 +80,13 @@ def test_model_options_are_one_spec(argv):
     from draftwise.api import ModelSpec
     from draftwise.cli import build_parser
     from draftwise.cli.common import model_spec
+    from draftwise.prefix import DEFAULT_PREFIX_CACHE_MB
 
     args = build_parser().parse_args([*argv, "--target", "t", "--draft", "d", "--dtype", "int8", "--draft-dtype",
-                                      "int4", "--backend", "hf", "--skip-layers", "1,2", "--heads", "h"])
-    assert model_spec(args) == ModelSpec("t", "d", "int8", "int4", "hf", "1,2", "h")
+                                      "int4", "--backend", "hf", "--skip-layers", "1,2", "--heads", "h",
+                                      "--prefix-cache-mb", "64"])
+    assert model_spec(args) == ModelSpec("t", "d", "int8", "int4", "hf", "1,2", "h", 64)
+    # the benchmarks keep none by default: every method (and mode) prefills its prompts, as the peers do
+    default = model_spec(build_parser().parse_args(argv)).prefix_cache_mb
+    assert default == (0 if argv[0].startswith("bench") else DEFAULT_PREFIX_CACHE_MB)
     assert model_spec(args).for_method("pld").draft is None and model_spec(args).for_method("draft").draft == "d"

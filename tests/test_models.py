@@ -11,7 +11,7 @@ from torch import nn
 
 from draftwise.models.base import KVCache
 from draftwise.models.transformer import random_model
-from tests.conftest import TINY, TINY_QWEN
+from tests.conftest import TINY, TINY_QWEN, through_kernel
 
 
 def test_cache_pointer_rollback_and_views():
@@ -235,17 +235,6 @@ def test_draft_dtype_loads_the_draft_in_its_own_format(hf_folder):
     assert spec.token_ids == plain.token_ids
 
 
-def _through_kernel(m):
-    """Every nn.Linear of ``m`` replaced by the batch-invariant kernel on the same fp32 weights."""
-    from draftwise.kernels import QLinear
-
-    for mod in list(m.modules()):
-        for name, child in list(mod.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(mod, name, QLinear.dense(child.weight.float(), child.bias))
-    return m
-
-
 def test_fused_decode_attention_matches_torch_ops(monkeypatch):
     """The fused rotary + KV append + attention call computes what the torch ops compute."""
     from draftwise.models import transformer
@@ -300,7 +289,7 @@ def test_a_long_prompts_mlp_in_chunks_of_rows_gives_the_same_bits(monkeypatch):
     from draftwise.models import transformer
 
     monkeypatch.setattr(kernels, "BULK_MIN_ROWS", 10 ** 9)
-    m = _through_kernel(random_model(TINY_QWEN, seed=8, dtype=torch.float32))
+    m = through_kernel(random_model(TINY_QWEN, seed=8, dtype=torch.float32))
     toks = torch.randint(0, TINY.vocab_size, (2, 45), generator=torch.Generator().manual_seed(5))
     whole_cache = m.new_cache(2, 64)
     whole = m.forward(toks, whole_cache).logits
@@ -314,7 +303,7 @@ def test_a_long_prompts_mlp_in_chunks_of_rows_gives_the_same_bits(monkeypatch):
 
 def test_forward_many_equals_one_by_one_through_the_kernels_bit_exact():
     """fp32 weights through the kernel + fused attention: verification is bit-identical to decoding."""
-    m = _through_kernel(random_model(TINY_QWEN, seed=6, dtype=torch.float32))
+    m = through_kernel(random_model(TINY_QWEN, seed=6, dtype=torch.float32))
     toks = torch.randint(0, TINY.vocab_size, (1, 14), generator=torch.Generator().manual_seed(3))
     a, b = m.new_cache(1, 64), m.new_cache(1, 64)
     m.forward(toks[:, :6], a)
@@ -709,7 +698,7 @@ def test_tree_nodes_equal_decoding_their_paths_bit_exact(kernels, monkeypatch):
     from draftwise.models import transformer
 
     if kernels:
-        m = _through_kernel(random_model(TINY_QWEN, seed=7, dtype=torch.float32))
+        m = through_kernel(random_model(TINY_QWEN, seed=7, dtype=torch.float32))
     else:  # torch ops; bf16, whose CPU matmuls are row-invariant (fp32 nn.Linear is not: see above)
         m = random_model(TINY_QWEN, seed=7, dtype=torch.bfloat16)
         monkeypatch.setattr(transformer, "extension", lambda: None)
@@ -805,7 +794,7 @@ def test_packed_rows_equal_the_padded_pass(kernels, tree):
 
         if extension() is None:
             pytest.skip("the kernel is not built here")
-        m = _through_kernel(m)
+        m = through_kernel(m)
     same = torch.equal if kernels else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
     # more real tokens (36) than a short forward's T limit (32): the packed (N, D) tensors must still take the
     # fused layer ops the padded (B, T, D) ones take (they round differently from torch's)

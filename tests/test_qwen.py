@@ -30,3 +30,20 @@ def test_every_method_equals_plain_on_qwen(pair, prompt):
     r = pair.generate(prompt, params, method="draft", gamma=5)
     assert r.token_ids == ar.token_ids
     assert r.stats.acceptance_rate > 0.6 and r.stats.mean_accepted_length > 2.5
+
+
+def test_a_conversation_reads_its_history_from_the_prefix_cache_and_gives_the_same_tokens(pair):
+    """A chat's second turn resends the first (its answer included): with the prefix cache it computes only the
+    new message, and every method's tokens are those of a decoder without the cache."""
+    params = SamplingParams(max_tokens=48)
+    cold = SpeculativeDecoder(pair.target, pair.draft, progress=False, prefix_cache_mb=0)
+    turn = [{"role": "user", "content": "Write a Python function that merges two sorted lists."}]
+    for method in ["ar", "draft", "auto"]:
+        pair.prefix_cache().clear()
+        first = pair.generate(turn, params, method=method, chat=True)
+        follow = turn + [{"role": "assistant", "content": first.text},
+                         {"role": "user", "content": "Now add type hints and a docstring."}]
+        second = pair.generate(follow, params, method=method, chat=True)
+        n = len(pair.encode(follow, True))
+        assert second.stats.cached_tokens >= n - 64 > 0, (method, second.stats.cached_tokens, n)
+        assert second.token_ids == cold.generate(follow, params, method=method, chat=True).token_ids, method

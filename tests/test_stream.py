@@ -131,3 +131,32 @@ def test_chat_commands_say_what_they_changed_and_ctrl_c_stops_one_generation(tin
     assert "not changed: temperature must be >= 0" in out and "unknown method 'nope'" in out
     assert out.count("(stopped)") == 1 and calls["n"] == 3  # the session went on after Ctrl-C
     assert re.search(r"\[pld\] \d+ tokens in", out) and re.search(r"\[ar\] \d+ tokens in", out)
+
+
+def test_chat_keeps_the_conversation_until_reset(tiny_dw, hf_folder, monkeypatch):
+    """Each message goes with the turns before it (answers included), as a chat client sends them; /reset
+    forgets them; /chat off sends prompts alone; a conversation past the context loses its oldest turns."""
+    s, console = session(tiny_dw, hf_folder)
+    real, sent, texts = tiny_dw.generate, [], []
+
+    def generate(prompt, *a, **kw):
+        sent.append(prompt)
+        r = real(prompt, *a, **kw)
+        texts.append(r.text)
+        return r
+    monkeypatch.setattr(tiny_dw, "generate", generate)
+    lines = ["hello there", "and then", "/settings", "/reset", "again", "/chat", "plain text", "/quit"]
+    assert s.loop(stdin=io.StringIO("\n".join(lines) + "\n")) == 0
+    assert sent[0] == [{"role": "user", "content": "hello there"}]
+    assert [m["role"] for m in sent[1]] == ["user", "assistant", "user"] and sent[1][2]["content"] == "and then"
+    assert sent[1][1]["content"] == texts[0]  # the first answer, as generated
+    assert "turns=2" in console.file.getvalue()
+    assert sent[2] == [{"role": "user", "content": "again"}]  # after /reset
+    assert sent[3] == "plain text"  # /chat off: the prompt alone
+    s.chat, s.history = True, []
+    room = tiny_dw.target.config.max_context - s.args.max_tokens - chat.CONTEXT_SLACK
+    long = [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "answer " * 40}] * 8
+    kept = s.fit(long + [{"role": "user", "content": "last"}])
+    assert kept[-1]["content"] == "last" and len(kept) < len(long) + 1 and kept[0]["role"] == "user"
+    assert len(tiny_dw.encode(kept, True)) <= room
+    assert "oldest" in console.file.getvalue()

@@ -81,6 +81,7 @@ def measure(methods: list[str], cfg, ids: list[int], llama_ctx: int | None, eos_
                     "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
                     "num_beams": cfg.num_beams, "length_penalty": cfg.length_penalty,
                     "skip_layers": getattr(cfg, "skip_layers", None),
+                    "prefix_cache_mb": getattr(cfg, "prefix_cache_mb", 0),
                     "drafter_options": tree_options(m, getattr(cfg, "tree_width", None), getattr(cfg, "heads", None),
                                                     getattr(cfg, "lookahead", None))}
             out[m] = run_child([sys.executable, "-m", "draftwise.bench.footprint", "own", json.dumps(spec)])
@@ -96,7 +97,7 @@ def _own_child(spec: dict) -> dict:
     t_import = time.perf_counter() - t0
     t1 = time.perf_counter()
     model = ModelSpec(spec["target"], spec["draft"], spec["dtype"], spec["draft_dtype"], spec["backend"],
-                      spec.get("skip_layers"))
+                      spec.get("skip_layers"), prefix_cache_mb=spec.get("prefix_cache_mb", 0))
     dw = build_decoder(model, progress=False)
     if uses_draft_model(spec["method"]):
         dw.draft  # noqa: B018  (the draft model loads lazily: count it in the load)

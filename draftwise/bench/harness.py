@@ -87,6 +87,9 @@ class BenchConfig:
     heads: str | None = None  # draft heads folder(s), comma-separated (methods medusa, eagle)
     lookahead: str | None = None  # method lookahead's "W,N,G" (None: its defaults)
     skip_layers: str | None = None  # method layerskip: the layers skipped (None: the calibrated set)
+    # MiB of prompt keys and values kept across prompts (0: none, so every method prefills each prompt as the
+    # peers do; the same prompt runs once per method)
+    prefix_cache_mb: float = 0.0
     length_penalty: float = 1.0
     out: str = "bench-out"
 

@@ -4,8 +4,9 @@ speed, for draftwise's kernel and (when llama-cpp-python is installed) llama.cpp
 Speculative decoding pays only when a pass over γ + 1 tokens costs about what a pass over one costs; this
 table is the shape every drafter's speed-up is bounded by (``gamma.py`` prices steps with it). Each cell is
 the median over ``repeats`` rounds of the fastest of two timings of a forward after ``context`` cached
-tokens (all T positions' logits, as verification needs them); prefill is a forward over P prompt tokens
-from an empty cache (the last position's logits).
+tokens (all T positions' logits, as verification needs them); prefill is a P-token prompt from an empty
+cache as the decode loop prefills it (``prefix.prefill``: exact chunks of 32 tokens; the last position's
+logits).
 
     draftwise bench-forward [--target NAME|GGUF] [--sizes 1,2,4,8,16,32] [--llama] [--out DIR]
 """
@@ -59,11 +60,15 @@ def _timed(run, rewind, context: int, sizes, repeats: int, prefill) -> dict:
 @torch.inference_mode()
 def draftwise_costs(model, sizes=SIZES, context: int = 64, repeats: int = 5, prefill=PREFILL) -> dict:
     """Seconds per forward over T new tokens (median of ``repeats`` bests of two) and prefill tok/s."""
+    from ..prefix import prefill as prefill_prompt
     ids = torch.tensor([_ids(context + max(sizes) + max(prefill or [1]), model.config.vocab_size)])  # (1, n)
     cache = model.new_cache(1, ids.shape[1] + 1)
 
     def run(a: int, b: int, last: bool) -> None:
-        model.forward(ids[:, a:b], cache, logits_for="last" if last else "all")
+        if a == 0 and last:  # a prompt, as the decode loop prefills one (exact chunks: prefix.prefill)
+            prefill_prompt(model, ids[0, :b].tolist(), cache, logits_for="last")
+        else:
+            model.forward(ids[:, a:b], cache, logits_for="last" if last else "all")
 
     return _timed(run, cache.set_lengths, context, sizes, repeats, prefill)
 

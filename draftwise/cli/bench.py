@@ -15,7 +15,7 @@ HELP = "benchmark methods and HF peers on a prompt set; write results.json, repo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    common.add_model_args(p)
+    common.add_model_args(p, 0, ": every method prefills each prompt, as the peers do")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated, from {', '.join(all_methods())}, or all (default "
                         f"{','.join(DEFAULT_METHODS)}); "
@@ -51,6 +51,7 @@ def config_from_args(args) -> BenchConfig:
                        seed=args.seed, warmup_tokens=args.warmup_tokens, bandwidth_gib=args.bandwidth_gib,
                        footprint=args.footprint, num_beams=args.num_beams, length_penalty=args.length_penalty,
                        tree_width=args.tree_width, heads=args.heads, lookahead=args.lookahead, skip_layers=args.skip_layers,
+                       prefix_cache_mb=args.prefix_cache_mb,
                        out=args.out)
 
 

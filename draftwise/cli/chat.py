@@ -1,4 +1,9 @@
-"""``draftwise chat``: an interactive session. Type a prompt; slash commands change the settings."""
+"""``draftwise chat``: an interactive conversation. Type a message; slash commands change the settings.
+
+With the chat template (the default) each message goes to the model with the conversation so far, as a chat
+client sends it; the prefix cache (``prefix.py``) keeps the history's prefill, so a turn computes only what
+is new since the last one. ``/reset`` starts a new conversation; ``/chat`` toggles plain completion, where
+every prompt stands alone."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ HELP = """commands:
   /method NAME     drafting method: {methods}
   /gamma N|auto    draft tokens per step (auto: adaptive)
   /temp T          temperature (0 = greedy)    /top_p P   /top_k K   /seed S   /max N
-  /chat            toggle the chat template (on by default)
+  /chat            toggle the chat template and conversation (on by default; off: each prompt alone)
+  /reset           start a new conversation (forget the turns so far)
   /color           toggle the coloured display of accepted / corrected / bonus tokens
   /compare [M]     run plain decoding and method M (default: current) on the last prompt; show speedup
   /stats           statistics of the last generation
@@ -26,22 +32,50 @@ HELP = """commands:
   /quit            leave (or Ctrl-D; Ctrl-C stops a generation, at the prompt it leaves)"""
 
 
-COMMAND_HELP = "interactive session (/help inside)"
+COMMAND_HELP = "interactive conversation (/help inside)"
+CONTEXT_SLACK = 16  # tokens kept free beside the conversation and --max-tokens (draft headroom)
 
 
 class ChatSession:
     def __init__(self, dw: SpeculativeDecoder, args, console: Console):
         self.dw, self.args, self.console = dw, args, console
         self.method, self.gamma, self.chat, self.colour = args.method, args.gamma, True, True
-        self.last_prompt: str | None = None
+        self.history: list[dict] = []  # the conversation's turns (user and assistant messages), chat on
+        self.last_prompt: str | list[dict] | None = None  # what the last generation was given (/compare)
         self.last = None
 
     def settings(self) -> str:
         a = self.args
         return (f"method={self.method} gamma={self.gamma} temperature={a.temperature} top_p={a.top_p} "
-                f"top_k={a.top_k} max_tokens={a.max_tokens} seed={a.seed} chat={self.chat} colour={self.colour}")
+                f"top_k={a.top_k} max_tokens={a.max_tokens} seed={a.seed} chat={self.chat} colour={self.colour} "
+                f"turns={len(self.history) // 2}")
 
-    def generate(self, prompt: str, method: str | None = None, show: bool = True):
+    def turn(self, text: str):
+        """One user message: with the chat template, answered in the conversation so far (which then holds
+        both); else a prompt alone. A turn stopped by Ctrl-C or an error leaves the conversation as it was."""
+        prompt: str | list[dict] = text
+        if self.chat:
+            prompt = self.fit(self.history + [{"role": "user", "content": text}])
+        self.last_prompt = prompt
+        res = self.generate(prompt)
+        if self.chat:
+            self.history = prompt + [{"role": "assistant", "content": res.text}]
+        return res
+
+    def fit(self, messages: list[dict]) -> list[dict]:
+        """``messages`` without their oldest turns where the conversation and --max-tokens would not fit the
+        model's context (the newest message always stays; a too-long one alone is the usual clear error)."""
+        room = self.dw.target.config.max_context - self.args.max_tokens - CONTEXT_SLACK
+        dropped = 0
+        while len(messages) > 1 and len(self.dw.encode(messages, True)) > room:
+            messages = messages[2:] if len(messages) > 2 else messages[1:]
+            dropped += 1
+        if dropped:
+            self.console.print(f"[dim](the conversation's oldest {dropped} turn{'s' * (dropped > 1)} left out: the "
+                               f"context holds {self.dw.target.config.max_context} tokens)[/]")
+        return messages
+
+    def generate(self, prompt: str | list[dict], method: str | None = None, show: bool = True):
         """One generation; shown as it is made (``show``). Ctrl-C stops it and returns to the prompt."""
         method = method or self.method
         live = LiveText(self.console, colour=self.colour) if show else None
@@ -95,6 +129,9 @@ class ChatSession:
                 self.console.print(f"not changed: {e}", markup=False)
         elif cmd == "/chat":
             self.chat, changed = not self.chat, True
+            self.history, self.last_prompt = [], None
+        elif cmd in ("/reset", "/clear"):
+            self.history, changed = [], True
         elif cmd == "/color":
             self.colour, changed = not self.colour, True
         elif cmd == "/stats":
@@ -148,8 +185,7 @@ class ChatSession:
                     if not self.command(line):
                         return 0
                     continue
-                self.last_prompt = line
-                self.generate(line)
+                self.turn(line)
             except DraftwiseError as e:
                 self.console.print(f"error: {e}", markup=False)
             except KeyboardInterrupt:  # Ctrl-C stops this generation (or /compare); at the prompt it leaves

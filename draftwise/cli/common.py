@@ -9,6 +9,7 @@ from ..api import DEFAULT_DRAFT, DEFAULT_TARGET, THREADS_HELP, ModelSpec, setup_
 from ..drafters import registry
 from ..errors import InvalidParameterError
 from ..gamma import parse_gamma
+from ..prefix import DEFAULT_PREFIX_CACHE_MB, PREFILL_CHUNK
 
 DEFAULT_METHOD = "auto"  # --method of generate and chat
 SERVE_DEFAULT_METHOD = "auto"  # --method of serve and bench-serve
@@ -31,6 +32,16 @@ def positive_float(s: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
     if not v > 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {s}")
+    return v
+
+
+def non_negative_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}")
     return v
 
 
@@ -91,8 +102,10 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model spec's options (``model_spec``) and --threads."""
+def add_model_args(p: argparse.ArgumentParser, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                   prefix_why: str = "") -> None:
+    """The model spec's options (``model_spec``) and --threads; ``prefix_cache_mb``: --prefix-cache-mb's
+    default in this command (``prefix_why``: why, when it is not the library's)."""
     add_target_arg(p, "model name, GGUF file, HF folder or hub id")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --method draft (default {DEFAULT_DRAFT})")
     p.add_argument("--heads", default=None, help="draft heads for --method medusa / eagle: a folder from `draftwise train-head`, or "
@@ -111,6 +124,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-layers", type=skip_layers_arg, default=None, metavar="LAYERS",
                    help="--method layerskip: the target's layers its drafts skip, e.g. 3,5,7-12 (default: the "
                         "set calibrated once for the target and cached in $DRAFTWISE_HOME/layerskip)")
+    p.add_argument("--prefix-cache-mb", type=non_negative_float, default=prefix_cache_mb, metavar="MB",
+                   help=f"MiB of prompt keys and values each model keeps, so that a later prompt starting with "
+                        f"the same {PREFILL_CHUNK}-token blocks (a chat's history, a shared system prompt) skips "
+                        f"their prefill; the output is the same bits either way; 0 turns it off (default "
+                        f"{prefix_cache_mb:g}{prefix_why})")
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:

@@ -29,9 +29,10 @@ class LiveText:
 
 def summary_line(result) -> str:
     s = result.stats
+    cached = f" ({s.cached_tokens} prompt tokens cached)" if s.cached_tokens else ""
     return (f"[{result.method}] {s.new_tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_s:.2f} tok/s | "
             f"α {s.acceptance_rate:.2f} | τ {s.mean_accepted_length:.2f} | "
-            f"prefill {s.prefill_s:.2f}s draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s")
+            f"prefill {s.prefill_s:.2f}s{cached} draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s")
 
 
 def print_summary(result, console, colour: bool = True) -> None:

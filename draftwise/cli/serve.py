@@ -34,7 +34,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a free row; more are refused with 503 (default 64)")
     p.add_argument("--max-prefill-tokens", type=common.positive_int, default=2048,
-                   help="prompt tokens prefilled between two decode steps (default 2048)")
+                   help="prompt tokens prefilled between two decode steps, beside those the prefix cache holds "
+                        "(default 2048)")
     common.add_tree_args(p)
 
 
@@ -63,7 +64,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
 
 
 def add_bench_arguments(b: argparse.ArgumentParser) -> None:
-    common.add_model_args(b)
+    common.add_model_args(b, 0, ": the modes and levels run the same prompts, which a cache would favour the later "
+                                "of")
     _engine_args(b)
     b.add_argument("--concurrency", type=common.int_list, default=[1, 4, 16], help="comma-separated (default 1,4,16)")
     b.add_argument("--requests", type=common.positive_int, default=None,

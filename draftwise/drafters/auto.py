@@ -180,12 +180,19 @@ class AutoDrafter:
         child = self.children[name]
         if hidden is not None and not needs_of(child).prompt_hidden:
             hidden = hidden[-1:]  # (1, D'): the last prompt position's, as the loop gives such a drafter
+        computed = self._to_compute(name, seq)
         t0 = time.perf_counter()
         with self._as([seq], name):
             child.start(seq, hidden=hidden)
-        if name in self.start_cost:  # what the next start of it costs, per context token
-            self.start_cost[name] = (time.perf_counter() - t0) / max(len(seq.tokens), 1)
+        if name in self.start_cost:  # what the next start of it costs, per context token it computes
+            self.start_cost[name] = (time.perf_counter() - t0) / max(computed, 1)
         seq.drafter_state.started.add(name)
+
+    def _to_compute(self, name: str, seq: Sequence) -> int:
+        """The context tokens child ``name``'s start would compute for ``seq``: all but those its prefix cache
+        holds (a draft model's: ``DraftModelDrafter.cached_prefix``)."""
+        cached = getattr(self.children[name], "cached_prefix", None)
+        return len(seq.tokens) - (cached(seq.tokens[:-1]) if cached is not None else 0)
 
     def _prior(self, name: str) -> Acceptance:
         """A new request's arm for ``name``: the acceptance pooled over earlier requests, or the prior before
@@ -243,7 +250,7 @@ class AutoDrafter:
         paid = {n: 0 for n in self.costly}
         shape = self.pass_cost(len(seqs)) / self.pass_cost(1) if len(seqs) > 1 else 1.0
         # the start of each costly child this step would make: every row that has not started it
-        start = {n: self.start_cost[n] * sum(len(s.tokens) for s in seqs if n not in s.drafter_state.started)
+        start = {n: self.start_cost[n] * sum(self._to_compute(n, s) for s in seqs if n not in s.drafter_state.started)
                  for n in self.costly if n in self.start_cost}
         for i, (s, k) in enumerate(zip(seqs, ks)):
             st: _State = s.drafter_state

@@ -8,6 +8,7 @@ import torch
 from ..errors import IncompatibleModelsError, InvalidParameterError
 from ..models.base import CausalLM, is_encoder_decoder
 from ..models.transformer import VocabSubset
+from ..prefix import prefill
 from ..sampling import logits_to_probs, sample, sample_at, top_indices
 from ..sequence import Sequence
 from .base import Draft
@@ -40,11 +41,13 @@ class DraftModelDrafter:
 
     name = "draft"
 
-    def __init__(self, model: CausalLM, rows: int, capacity: int, branches: int = 1, lookup: bool = True):
+    def __init__(self, model: CausalLM, rows: int, capacity: int, branches: int = 1, lookup: bool = True,
+                 prefix_cache=None):
         if not isinstance(branches, int) or branches < 1:
             raise InvalidParameterError(f"branches must be an integer >= 1, got {branches!r}")
         self.model = model
         self.lookup = lookup
+        self.prefix_cache = prefix_cache  # prefix.PrefixCache of the draft model's prompt keys and values, or None
         self._looks: dict[int, _Lookup] = {}  # id(seq) -> its tokens' n-gram index (greedy rows)
         self.cache = model.new_cache(rows, capacity)
         self.branches = branches
@@ -61,8 +64,13 @@ class DraftModelDrafter:
         if is_encoder_decoder(self.model):  # an encoder-decoder draft encodes the source into its own cache
             self.model.encode(cache, seq.encoder_ids)
         prefix = seq.tokens[:-1]
-        self.model.forward(torch.tensor([prefix]), cache, logits_for="last")
+        pc = self.prefix_cache if seq.encoder_ids is None else None
+        prefill(self.model, prefix, cache, prefix=pc, logits_for="last")
         seq.drafter_state = len(prefix)
+
+    def cached_prefix(self, context: list[int]) -> int:
+        """The tokens of ``context`` a start would read from the prefix cache instead of computing."""
+        return self.prefix_cache.cached_length(context) if self.prefix_cache is not None else 0
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         K = max(ks, default=0)
@@ -192,6 +200,9 @@ class DraftModelDrafter:
             self.vocab.hold(seq.tokens[n_before:], self._held.setdefault(id(seq), set()))
 
     def release(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None and seq.encoder_ids is None and isinstance(seq.drafter_state, int):
+            # the keys and values of the tokens it holds, for a later start on a prompt that begins with them
+            self.prefix_cache.store(seq.tokens, self.cache.view(slice(seq.row, seq.row + 1)), seq.drafter_state)
         self.cache.reset(seq.row)
         self._looks.pop(id(seq), None)
         if self.vocab is not None:
@@ -279,7 +290,7 @@ def _build(dw, rows: int, capacity: int, **opts):
         from .cross_vocab import CrossVocabDrafter
 
         return CrossVocabDrafter(dw.draft.model, dw.bridge, rows, capacity, **opts)
-    return DraftModelDrafter(dw.draft.model, rows, capacity, **opts)
+    return DraftModelDrafter(dw.draft.model, rows, capacity, prefix_cache=dw.prefix_cache(dw.draft.model), **opts)
 
 
 register(Method("draft", _build, help="a smaller draft model (--draft) proposes tokens", draft_model=True,

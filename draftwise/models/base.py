@@ -57,7 +57,9 @@ class ModelOutput:
     taps: torch.Tensor | None = None
 
 
-LogitsFor = Literal["all", "last"] | torch.Tensor  # or (B,) int64: one position per row
+# or (B,) int64: one position per row; "none": no logits (B, 0, V) — a prefill chunk before the prompt's last
+# (native backend: prefix.prefill)
+LogitsFor = Literal["all", "last", "none"] | torch.Tensor
 
 
 def _reserved(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -269,6 +269,7 @@ class Transformer(WatchedModule):
     supports_trees = True  # forward takes a tree attn_mask; its nodes get the bits decoding their paths gives
     supports_taps = True  # forward(taps=...) returns inner layers' outputs (an EAGLE-3 head's features)
     supports_lengths = True  # forward(lengths=...) runs only each row's real tokens through the matmuls
+    supports_prefix_cache = True  # prompts prefill in exact chunks, so their keys and values serve later prompts
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -363,12 +364,15 @@ class Transformer(WatchedModule):
             tap = packed.unpack(torch.stack([tapped[i] for i in taps], 1)) if taps else None
             return ModelOutput(logits=logits, hidden=packed.unpack(h), taps=tap)
         every = self.norm(h) if all_hidden else None  # (B, T, D)
+        tap = torch.stack([tapped[i] for i in taps], 2) if taps else None  # (B, T, len(taps), D)
+        if isinstance(logits_for, str) and logits_for == "none":  # a prefill chunk before the last: no LM head
+            return ModelOutput(logits=h.new_zeros(B, 0, self.config.vocab_size, dtype=torch.float32),
+                               hidden=h[:, :0] if every is None else every, taps=tap)
         if isinstance(logits_for, torch.Tensor):  # one position per row
             h = h[torch.arange(B), logits_for].unsqueeze(1)
         elif logits_for == "last":
             h = h[:, -1:]
         h = self.norm(h)  # (B, T', D)
-        tap = torch.stack([tapped[i] for i in taps], 2) if taps else None  # (B, T, len(taps), D)
         return ModelOutput(logits=self.lm_head(h).float(), hidden=h if every is None else every, taps=tap)
 
     def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: list[int],
@@ -383,6 +387,21 @@ class Transformer(WatchedModule):
                 if i in taps:
                     tapped[i] = h
         return h
+
+    def batch_invariant(self) -> bool:
+        """Whether a token's keys, values and logits are the same bits however many tokens its forward holds:
+        every decoder projection on the kernel (``QLinear``, with the kernel built) — the attention of a forward of
+        up to ``EXACT_MAX_T`` tokens is the per-token call on every path. Dense (bf16 / fp32) projections run
+        torch's GEMM, whose rounding depends on the row count."""
+        from ..kernels import QLinear
+
+        if extension() is None:
+            return False
+        for layer in self.layers:
+            for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
+                if not all(isinstance(p, QLinear) for p in (m.parts if isinstance(m, Concat) else [m])):
+                    return False
+        return True
 
     def _stack(self):
         """The compiled ``Stack`` of this model's decoder layers (kernels/csrc/bindings/stack.cpp), built at the

@@ -394,8 +394,12 @@ def sse(data: dict) -> str:
 
 
 def usage(prompt_tokens: int, seqs: list[ServeSequence]) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens the (first) choice's
+    prefill read from the prefix cache."""
     completion = sum(s.num_output for s in seqs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    cached = min((s.stats.cached_tokens for s in seqs), default=0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def extension(seqs: list[ServeSequence]) -> dict:

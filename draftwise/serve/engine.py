@@ -10,8 +10,8 @@ threads (the asyncio HTTP server, a benchmark) talk to it through two thread-saf
   (``loop.call_soon_threadsafe``).
 
 Each iteration of the loop: drop cancelled requests (their rows and cache are free at once), prefill
-waiting sequences into free rows (up to ``max_prefill_tokens`` prompt tokens, so running sequences are
-not starved by a burst of long prompts), then one ``Decoder.step()`` for every running sequence, then
+waiting sequences into free rows (up to ``max_prefill_tokens`` prompt tokens to compute — those the prefix
+cache holds cost nothing —, so running sequences are not starved by a burst of long prompts), then one ``Decoder.step()`` for every running sequence, then
 hand each sequence's new text to its sink. Requests join and leave the batch between steps.
 
 Memory: the KV caches of target and draft model are reserved once at start, ``rows`` rows of
@@ -217,7 +217,7 @@ class EngineConfig:
     max_batch: int = 16
     max_model_len: int | None = None  # default: min(model context, 4096)
     max_queue: int = 64
-    max_prefill_tokens: int = 2048  # prompt tokens prefilled per loop iteration (at least one prompt)
+    max_prefill_tokens: int = 2048  # prompt tokens computed per loop iteration (at least one prompt)
     drafter_options: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -318,7 +318,8 @@ class Engine:
         self.drafter = ServeDrafter(drafter) if drafter is not None else None
         tok = self.tokenizer
         decoder = Decoder(self.dw.target.model, self.drafter, self.policy, eos_ids=tok.eos_ids,
-                          detokenize=tok.decode, rows=self.rows, capacity=self.capacity)
+                          detokenize=tok.decode, rows=self.rows, capacity=self.capacity,
+                          prefix_cache=self.dw.prefix_cache())
         self.kv_caches = held(KVCache, decoder.cache, drafter)
         self.suffix_stores = held(SuffixCache, drafter)
         self._used_rows = self.rows  # a rebuilt decoder: release every row once
@@ -496,10 +497,13 @@ class Engine:
         budget = self.cfg.max_prefill_tokens
         while self.decoder.free_rows > 0:
             with self._lock:
-                if not self._waiting or (budget < self._waiting[0].prompt_len and budget < self.cfg.max_prefill_tokens):
+                if not self._waiting:
+                    return
+                cost = self._prefill_cost(self._waiting[0])
+                if budget < cost and budget < self.cfg.max_prefill_tokens:
                     return
                 seq = self._waiting.popleft()
-            budget -= seq.prompt_len
+            budget -= cost
             seq.started = time.perf_counter()
             try:
                 self.decoder.add(seq)
@@ -511,7 +515,13 @@ class Engine:
                 self._fail_request(seq.request, f"internal error: {type(e).__name__}")
                 continue
             self.metrics.prompt_tokens.inc(seq.prompt_len)
+            self.metrics.cached_prompt_tokens.inc(seq.stats.cached_tokens)
             self._emit(seq)
+
+    def _prefill_cost(self, seq: ServeSequence) -> int:
+        """The prompt tokens admitting ``seq`` computes: those the prefix cache does not hold."""
+        prefix = self.decoder.prefix_cache
+        return seq.prompt_len - (prefix.cached_length(seq.prompt_ids) if prefix is not None else 0)
 
     def _step(self) -> None:
         running = list(self.decoder.running)

@@ -23,6 +23,8 @@ class EngineMetrics:
         self.finished = Counter("sequences_finished", "Finished sequences (choices) by finish reason",
                                 ["finish_reason"], namespace=ns, registry=r)
         self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens prefilled", namespace=ns, registry=r)
+        self.cached_prompt_tokens = Counter("prefix_cache_hit_tokens", "Prompt tokens whose keys and values came "
+                                            "from the prefix cache (not computed)", namespace=ns, registry=r)
         self.generation_tokens = Counter("generation_tokens", "Output tokens generated", namespace=ns, registry=r)
         self.drafted = Counter("draft_tokens", "Draft tokens proposed", namespace=ns, registry=r)
         self.accepted = Counter("accepted_tokens", "Draft tokens accepted", namespace=ns, registry=r)
@@ -74,6 +76,11 @@ class EngineMetrics:
             lambda: sum(s.nbytes for s in stores()))
         g("suffix_cache_limit_tokens", "The suffix store's bound in tokens (the oldest sequences are evicted)"
           ).set_function(lambda: sum(s.max_tokens for s in stores()))
+        prefix = lambda: engine.dw.prefix_cache()  # None where --prefix-cache-mb is 0
+        g("prefix_cache_bytes", "Bytes of prompt keys and values the target's prefix cache holds").set_function(
+            lambda: prefix().bytes if prefix() is not None else 0)
+        g("prefix_cache_limit_bytes", "The target's prefix cache bound (--prefix-cache-mb; least recently used "
+          "blocks are evicted)").set_function(lambda: prefix().budget if prefix() is not None else 0)
         g("draining", "1 after SIGTERM: new requests are refused (503) while admitted ones finish").set_function(
             lambda: float(engine.draining))
         self._window: collections.deque[tuple[float, int, int, int, int]] = collections.deque()

@@ -1,0 +1,195 @@
+"""Chunked prefill and the prefix cache (draftwise/prefix.py) on tiny random models through the batch-invariant
+kernel: a prompt that starts after cached blocks gets bit for bit the logits, keys and values of a prefill from
+an empty cache, and so do keys and values a decode made; every method's output is the same with and without
+the cache; eviction keeps the budget; dense weights do not chunk; the server reports cached tokens."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+import torch
+
+from draftwise.api import SpeculativeDecoder
+from draftwise.errors import InvalidParameterError
+from draftwise.models import LoadedModel, load_model
+from draftwise.models.base import ModelConfig
+from draftwise.models.transformer import random_model
+from draftwise.decode import Decoder, FixedGamma
+from draftwise.prefix import BLOCK, PREFILL_CHUNK, PrefixCache, chunked, prefill
+from draftwise.sampling import SamplingParams
+from draftwise.sequence import Sequence
+from draftwise.serve.engine import Engine, EngineConfig
+from draftwise.serve.server import BackgroundServer
+from tests.conftest import TINY_QWEN, make_hf_folder, perturbed, through_kernel
+
+C = BLOCK
+CTX = 512
+
+
+@pytest.fixture(scope="module")
+def model():
+    return through_kernel(random_model(ModelConfig(**{**TINY_QWEN.to_dict(), "max_context": CTX}), seed=0))
+
+
+def tokens(n: int, seed: int, vocab: int = 96) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def run(model, ids, prefix=None, **forward):
+    row = model.new_cache(1, CTX)
+    with torch.inference_mode():
+        out, cached = prefill(model, ids, row, prefix=prefix, logits_for="last", **forward)
+    return out, cached, row
+
+
+@pytest.mark.parametrize("shared,length", [(5 * C + 11, 9 * C + 3), (2 * C, 3 * C), (C, C + 1), (3 * C + 5, 3 * C + 6),
+                                           (2 * C + 1, 2 * C + 1)])
+def test_a_prompt_after_cached_blocks_gets_the_bits_of_an_empty_cache(model, shared, length):
+    first = tokens(6 * C + 40, seed=1)
+    second = first[:shared] + tokens(length - shared, seed=2)
+    cache = PrefixCache(1 << 30)
+    run(model, first, cache)
+    out, cached, row = run(model, second, cache)
+    ref, none, ref_row = run(model, second)
+    assert cached == min(shared // C, (length - 1) // C) * C and cached > 0 and none == 0
+    assert torch.equal(out.logits, ref.logits)  # bit for bit
+    n = len(second)
+    assert row.length() == n and torch.equal(row.k[:, 0, :, :n], ref_row.k[:, 0, :, :n])
+    assert torch.equal(row.v[:, 0, :, :n], ref_row.v[:, 0, :, :n])
+
+
+def test_a_tokens_keys_and_values_do_not_depend_on_what_computed_them(model):
+    """A prefill in chunks, one pass over the whole prompt and plain decoding token by token leave the same
+    bits in the cache: what lets a cached block stand for any way of computing it."""
+    ids = tokens(3 * C + 7, seed=3)
+    _, _, chunks = run(model, ids)
+    whole, steps = model.new_cache(1, CTX), model.new_cache(1, CTX)
+    with torch.inference_mode():
+        model.forward(torch.tensor([ids[:PREFILL_CHUNK]]), whole, logits_for="last")  # the exact path's longest
+        for t in ids:
+            model.forward(torch.tensor([[t]]), steps, logits_for="last")
+    n = PREFILL_CHUNK
+    assert torch.equal(chunks.k[:, 0, :, :n], whole.k[:, 0, :, :n])
+    assert torch.equal(chunks.k[:, 0, :, :len(ids)], steps.k[:, 0, :, :len(ids)])
+    assert torch.equal(chunks.v[:, 0, :, :len(ids)], steps.v[:, 0, :, :len(ids)])
+
+
+def test_a_finished_sequence_leaves_its_output_in_the_cache(model):
+    """The keys and values decoding made serve a later prompt that continues the conversation, bit-exact."""
+    cache = PrefixCache(1 << 30)
+    prompt = tokens(2 * C + 5, seed=11)
+    dec = Decoder(model, None, FixedGamma(1), rows=2, capacity=CTX, prefix_cache=cache)
+    seq = Sequence(list(prompt), SamplingParams(max_tokens=3 * C, ignore_eos=True))
+    with torch.inference_mode():
+        dec.run([seq])
+    follow = seq.tokens + tokens(20, seed=12)  # the next turn: the history with its answer, then more
+    assert cache.cached_length(follow) == (len(seq.tokens) - 1) // C * C > len(prompt)
+    out, cached, row = run(model, follow, cache)
+    ref, _, ref_row = run(model, follow)
+    assert cached == (len(seq.tokens) - 1) // C * C and torch.equal(out.logits, ref.logits)
+    assert torch.equal(row.k[:, 0, :, :len(follow)], ref_row.k[:, 0, :, :len(follow)])
+
+
+def test_dense_weights_prefill_in_one_pass_without_a_cache():
+    dense = random_model(TINY_QWEN, seed=2)  # torch's GEMM: a token's bits depend on the row count
+    assert not chunked(dense)
+    dw = SpeculativeDecoder(LoadedModel("dense", dense, None, 0.0), None, progress=False)
+    assert dw.prefix_cache() is None
+
+
+def test_every_positions_hidden_state_comes_back_across_chunks(model):
+    ids = tokens(C + 40, seed=4)
+    out, _, _ = run(model, ids, all_hidden=True, taps=(0,))
+    assert out.hidden.shape[:2] == (1, len(ids)) and out.taps.shape[:2] == (1, len(ids))
+    with pytest.raises(ValueError, match="hidden state"):
+        run(model, ids, PrefixCache(1 << 20), all_hidden=True)
+
+
+def test_eviction_keeps_the_budget_and_the_deepest_blocks_go_first(model):
+    block = 2 * model.config.num_layers * model.config.num_kv_heads * C * model.config.head_dim * 4
+    cache = PrefixCache(3 * block)
+    a = tokens(3 * C + 10, seed=5)
+    run(model, a, cache)
+    assert len(cache) == 3 and cache.bytes == 3 * block
+    b = tokens(C + 10, seed=6)
+    run(model, b, cache)  # one new block: a's deepest goes
+    assert len(cache) == 3 and cache.bytes <= cache.budget and cache.evicted_blocks == 1
+    assert cache.cached_length(a + [1]) == 2 * C and cache.cached_length(b + [1]) == C
+    _, cached, _ = run(model, a + [1], cache)
+    assert cached == 2 * C
+    assert cache.snapshot()["hit_tokens"] == 2 * C
+    tiny = PrefixCache(block - 1)  # a block larger than the budget is not kept
+    run(model, a, tiny)
+    assert len(tiny) == 0 and tiny.bytes == 0
+
+
+def test_a_different_token_anywhere_before_a_block_misses_it(model):
+    a = tokens(2 * C + 10, seed=7)
+    cache = PrefixCache(1 << 30)
+    run(model, a, cache)
+    b = list(a)
+    b[C + 3] = (b[C + 3] + 1) % 96  # the second block differs, the first is shared
+    assert cache.cached_length(b) == C
+    b[0] = (b[0] + 1) % 96
+    assert cache.cached_length(b) == 0
+
+
+# ---- through the decoder: every method, with and without the cache -----------------------------------------
+@pytest.fixture(scope="module")
+def dw(tmp_path_factory) -> SpeculativeDecoder:
+    folder = make_hf_folder(tmp_path_factory.mktemp("tiny-long"), max_context=CTX)
+    target = load_model(str(folder), "fp32", progress=False)
+    draft = LoadedModel("tiny-draft", through_kernel(perturbed(target.model, 0.3, seed=5)), target.tokenizer, 0.0)
+    through_kernel(target.model)
+    return SpeculativeDecoder(target, draft, progress=False)
+
+
+@pytest.mark.parametrize("method", ["ar", "draft", "pld", "auto", "draft-tree"])
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=0.9, seed=3)],
+                         ids=["greedy", "seeded"])
+def test_every_method_gives_the_same_tokens_with_the_cache(dw, method, params):
+    vocab = dw.target.config.vocab_size
+    history = tokens(4 * C + 20, seed=8, vocab=vocab)
+    turn1 = history + tokens(30, seed=9, vocab=vocab)
+    dw.prefix_cache().clear()
+    dw.prefix_cache(dw.draft.model).clear()
+    first = dw.generate(turn1, params, method=method, gamma=3)
+    turn2 = turn1 + first.token_ids + tokens(40, seed=10, vocab=vocab)  # the answer, then the next message
+    second = dw.generate(turn2, params, method=method, gamma=3)
+    assert first.stats.cached_tokens == 0
+    assert second.stats.cached_tokens == (len(turn1) + len(first.token_ids) - 1) // C * C
+    cold = SpeculativeDecoder(dw.target, dw.draft, progress=False, prefix_cache_mb=0)
+    assert cold.prefix_cache() is None
+    ref = cold.generate(turn2, params, method=method, gamma=3)
+    assert second.token_ids == ref.token_ids and ref.stats.cached_tokens == 0
+    if method in ("draft", "draft-tree"):  # the draft model's own cache served its start
+        assert dw.prefix_cache(dw.draft.model).hit_tokens >= len(turn1) // C * C
+
+
+def test_prefix_cache_size_is_checked():
+    for bad in (-1, float("nan"), "512", True):
+        with pytest.raises(InvalidParameterError, match="prefix_cache_mb"):
+            SpeculativeDecoder(LoadedModel("m", random_model(TINY_QWEN), None, 0.0), None, prefix_cache_mb=bad)
+
+
+def test_the_server_reports_cached_prompt_tokens(dw):
+    dw.prefix_cache().clear()
+    engine = Engine(dw, EngineConfig(method="pld", max_batch=2))
+    system = "You are a careful assistant. " * 8  # a long shared system prompt
+    with BackgroundServer(engine, "tiny") as srv, httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        got = []
+        for question in ("hello world", "the quick brown fox"):
+            r = c.post("/v1/chat/completions", json={
+                "model": "tiny", "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+            assert r.status_code == 200, r.text
+            got.append(r.json()["usage"])
+        metrics = c.get("/metrics").text
+    assert got[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = got[1]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and cached % C == 0 and cached < got[1]["prompt_tokens"]
+    assert f"draftwise_prefix_cache_hit_tokens_total {float(cached)}" in metrics
+    assert "draftwise_prefix_cache_bytes " in metrics
