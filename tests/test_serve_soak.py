@@ -59,3 +59,18 @@ def test_soak_verdicts(case):
                 "growing": {"RSS flat under load (drift within 50 MiB)"},
                 "not back": {"RSS back within 5 % of warm after idling"}}[case]
     assert failed == expected, verdicts
+
+
+def test_soak_judges_memory_less_the_prefix_cache(monkeypatch):
+    """The prefix cache fills up to its bound and stays while idle, by design: a sample's RSS leaves it out."""
+    import asyncio
+
+    from draftwise.serve import soak as soak_mod
+
+    async def metrics(client):
+        return {"draftwise_process_resident_memory_bytes": 900 * 2**20, "draftwise_prefix_cache_bytes": 300 * 2**20}
+    monkeypatch.setattr(soak_mod, "_metrics", metrics)
+    s = Soak("http://x", "m", SoakConfig(minutes=1.0))
+    s.t0, s.phase = 0.0, "load"
+    asyncio.run(s.sample(None))
+    assert s.result.samples[-1]["rss_mb"] == 600.0 and s.result.samples[-1]["prefix_cache_mb"] == 300.0

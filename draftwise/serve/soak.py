@@ -14,7 +14,8 @@ Against a server it starts in this process (the model arguments of ``bench-serve
 
 Every answer of the first four kinds is compared with the same request sent alone (before the load, one
 at a time): a seed, like greedy decoding, fixes the text whatever the batch, γ or method. Status codes are
-counted per kind; the server's resident memory (``draftwise_process_resident_memory_bytes`` from /metrics)
+counted per kind; the server's resident memory (``draftwise_process_resident_memory_bytes`` from /metrics,
+less its prefix cache's ``draftwise_prefix_cache_bytes``: bounded by ``--prefix-cache-mb``, kept while idle)
 is sampled every ``--soak-sample`` seconds through a warm-up burst, the load, its wind-down (past the
 deadline the clients finish what they sent) and ``--soak-idle`` seconds of idleness after it.
 
@@ -70,7 +71,8 @@ class SoakResult:
     statuses: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> status (or "conn") -> count
     checked: int = 0
     mismatches: list[dict] = field(default_factory=list)
-    samples: list[dict] = field(default_factory=list)  # {"t", "phase", "rss_mb", "open_requests"}
+    # {"t", "phase", "rss_mb" (less the prefix cache), "prefix_cache_mb", "open_requests"}
+    samples: list[dict] = field(default_factory=list)
     warm_mb: float = 0.0
     verdicts: dict[str, bool] = field(default_factory=dict)
     numbers: dict[str, float] = field(default_factory=dict)
@@ -162,8 +164,11 @@ class Soak:
     async def sample(self, client) -> None:
         m = await _metrics(client)
         rss = m.get("draftwise_process_resident_memory_bytes")
+        # the prefix cache fills up to its --prefix-cache-mb and stays while idle, by design: judged apart
+        prefix = m.get("draftwise_prefix_cache_bytes") or 0.0
         self.result.samples.append({"t": round(time.monotonic() - self.t0, 2), "phase": self.phase,
-                                    "rss_mb": None if rss is None else round(rss / 2**20, 2),
+                                    "rss_mb": None if rss is None else round((rss - prefix) / 2**20, 2),
+                                    "prefix_cache_mb": round(prefix / 2**20, 2),
                                     "open_requests": m.get("draftwise_open_requests")})
 
     async def sampler(self, stop: asyncio.Event) -> None:
@@ -327,7 +332,9 @@ def markdown(r: SoakResult, title: str, plotted: bool) -> str:
     rss = (f"- RSS: warm {r.warm_mb:.0f} MiB, peak {n['rss_peak_mb']:.0f} MiB; under load from "
            f"{n['flat_from_s']:.0f} s on: drift {n['rss_drift_mb']:+.1f} MiB (median of the last quarter − median "
            f"of the first), range {n['rss_steady_range_mb']:.1f} MiB (samples fall at random points of a step); "
-           f"after idling {n['rss_after_idle_mb']:.0f} MiB ({n['rss_after_idle_vs_warm_pct']:+.2f} % of warm)")
+           f"after idling {n['rss_after_idle_mb']:.0f} MiB ({n['rss_after_idle_vs_warm_pct']:+.2f} % of warm); "
+           f"less the prefix cache, at most {max((s.get('prefix_cache_mb') or 0 for s in r.samples), default=0):.0f} "
+           f"MiB")
     codes = sorted({s for by in r.statuses.values() for s in by})
     lines += ["", "## Numbers", "", counts, rss, "", "## Status codes by kind", "",
               "| kind | " + " | ".join(codes) + " |"]
