@@ -27,7 +27,7 @@ from .drafters.base import Draft, Drafter, needs_of
 from .errors import InvalidParameterError, PromptTooLongError
 from .kernels import in_decode_threads
 from .models.base import MAX_TREE_TOKENS, CausalLM, is_encoder_decoder
-from .prefix import PrefixCache, prefill
+from .prefix import Prefill, PrefixCache
 from .sampling import argmax, logits_to_probs, sample, sample_at
 from .sequence import ACCEPTED, BONUS, PLAIN, RECOVERED, Sequence
 from .verify import (VerifyResult, verify_greedy, verify_keyed, verify_sampled, verify_tree_greedy,
@@ -127,10 +127,12 @@ class Decoder:
         if hasattr(self.gamma, "packed"):  # a policy pricing steps by the tokens fed (AdaptiveGamma)
             self.gamma.packed = self.ragged
         self.running: list[Sequence] = []
+        self.prefilling: Sequence | None = None  # the sequence whose prompt is being prefilled (begin/advance)
+        self._prefill: Prefill | None = None
 
     @property
     def free_rows(self) -> int:
-        return self.cache.rows - len(self.running)
+        return self.cache.rows - len(self.running) - (self.prefilling is not None)
 
     def check_fits(self, seq: Sequence) -> None:
         headroom = self.gamma.max_gamma + 1 if self.drafter else 1
@@ -151,12 +153,18 @@ class Decoder:
                 f"context ({self.capacity} incl. {headroom} draft slots); max_tokens can be at most {room}")
 
     # ---- admission -------------------------------------------------------------------------------
-    @in_decode_threads  # torch's ops off OpenMP's threads where those spin long
     def add(self, seq: Sequence) -> None:
         """Prefill a new sequence into a free row and emit its first token."""
+        self.begin(seq)
+        self.advance()
+
+    @in_decode_threads  # torch's ops off OpenMP's threads where those spin long
+    def begin(self, seq: Sequence) -> None:
+        """Start prefilling ``seq`` into the next free row (one sequence at a time); ``advance`` runs its prompt,
+        all at once or a few chunks between steps of the running batch, and adds it to the batch at the end."""
         self.check_fits(seq)
-        if self.free_rows == 0:
-            raise RuntimeError("no free row")
+        if self.free_rows == 0 or self.prefilling is not None:
+            raise RuntimeError("no free row" if self.free_rows == 0 else "a prefill is in progress")
         t0 = time.perf_counter()
         seq.row = len(self.running)
         row = self.cache.view(slice(seq.row, seq.row + 1))
@@ -168,8 +176,45 @@ class Decoder:
         # the prompt in exact 32-token chunks, after the longest prefix the cache holds (not where the drafter
         # reads every prompt position's state: the cache keeps keys and values only)
         prefix = self.prefix_cache if seq.encoder_ids is None and not every else None
-        out, seq.stats.cached_tokens = prefill(self.target, seq.prompt_ids, row, prefix=prefix, logits_for="last",
-                                               **every, **self._taps)
+        self._prefill = Prefill(self.target, seq.prompt_ids, row, prefix=prefix, logits_for="last", **every,
+                                **self._taps)
+        seq.stats.cached_tokens = self._prefill.cached
+        self.prefilling = seq
+        seq.stats.prefill_s += time.perf_counter() - t0
+
+    @in_decode_threads
+    def advance(self, budget: int | None = None) -> tuple[Sequence | None, int]:
+        """Prefill the next ``budget`` prompt tokens of the sequence ``begin`` started (at least one chunk; None:
+        the rest). When its prompt is done it joins the running batch (rows 0..B-1: moved to row B if a sequence
+        left meanwhile) with its first token. Returns (that sequence, or None while its prefill goes on; the
+        prompt tokens computed). A prefill that raises leaves no trace: its row is free again."""
+        seq, pre = self.prefilling, self._prefill
+        if seq is None:
+            return None, 0
+        t0 = time.perf_counter()
+        try:
+            spent = pre.run(budget)
+        except BaseException:
+            self._end_prefill()
+            raise
+        seq.stats.prefill_s += time.perf_counter() - t0
+        if not pre.done:
+            return None, spent
+        self._end_prefill()
+        if seq.row != len(self.running):  # a running sequence left: rows 0..B-1 stay the running ones
+            self.cache.move_row(seq.row, len(self.running))
+            self.cache.reset(seq.row)
+            seq.row = len(self.running)
+        t0 = time.perf_counter()
+        self._join(seq, pre.output)
+        seq.stats.prefill_s += time.perf_counter() - t0
+        return seq, spent
+
+    def _end_prefill(self) -> None:
+        self.prefilling, self._prefill = None, None
+
+    def _join(self, seq: Sequence, out) -> None:
+        """A prefilled sequence's first token, its drafter's start, its place in the batch."""
         logits = out.logits[0, -1]  # (V,)
         p = seq.params
         if p.greedy:
@@ -182,8 +227,7 @@ class Decoder:
         self._append(seq, [first], [PLAIN])
         if not seq.finished and self.drafter is not None:
             hidden = _features(out)
-            self.drafter.start(seq, hidden=hidden[0] if every else hidden[0, -1:])
-        seq.stats.prefill_s += time.perf_counter() - t0
+            self.drafter.start(seq, hidden=hidden[0] if self.needs.prompt_hidden else hidden[0, -1:])
         self.running.append(seq)
         if seq.finished:
             self._remove(seq)
@@ -298,7 +342,12 @@ class Decoder:
         seq.error, seq.finish_reason = error, "error"
 
     def abort(self, seq: Sequence) -> None:
-        if seq in self.running:
+        if seq is self.prefilling:  # its prompt half done: the row is free again, nothing is kept
+            self._end_prefill()
+            self.cache.reset(seq.row)
+            seq.finish_reason, seq.row = "abort", -1
+            seq.stats.wall_s = time.perf_counter() - seq.started
+        elif seq in self.running:
             seq.finish_reason = "abort"
             self._remove(seq)
 

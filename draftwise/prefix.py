@@ -150,33 +150,66 @@ class PrefixCache:
                 "evicted_blocks": self.evicted_blocks}
 
 
+class Prefill:
+    """One prompt's prefill into cache row ``row`` (a one-row view, reset), run in pieces: after the longest prefix
+    ``prefix`` holds, in chunks of ``PREFILL_CHUNK`` tokens; its whole blocks are kept there at the end. In one pass
+    where the model does not chunk (``chunked``). ``forward`` goes to ``model.forward`` (``logits_for``,
+    ``all_hidden``, ``taps``; a caller that asks for every position's hidden state gets them all, and must not pass
+    a prefix cache: it holds keys and values only). A server runs a long prompt a few chunks at a time between
+    decode steps (``Decoder.advance``): the chunks' bits do not depend on when they run."""
+
+    def __init__(self, model, ids: list[int], row: KVCache, *, prefix: PrefixCache | None = None, **forward):
+        self.model, self.ids, self.row, self.forward = model, ids, row, forward
+        self.every = bool(forward.get("all_hidden"))
+        self.chunked = chunked(model) and (len(ids) > PREFILL_CHUNK or prefix is not None)
+        self.prefix = prefix if self.chunked else None
+        if self.prefix is not None and self.every:
+            raise ValueError("a prefill that returns every position's hidden state cannot start from a prefix cache")
+        self.cached = self.prefix.load(ids, row) if self.prefix is not None else 0  # prompt tokens read
+        self.pos = self.cached  # the next prompt token to compute
+        self._outs = []
+        self.output = None  # the ModelOutput of the last chunk (every position's hidden states where asked)
+
+    @property
+    def done(self) -> bool:
+        return self.output is not None
+
+    def run(self, budget: int | None = None) -> int:
+        """Compute the next chunks, ``budget`` prompt tokens at most (at least one chunk; None: to the end).
+        Returns the tokens computed."""
+        if not self.chunked:
+            self.output = self.model.forward(torch.tensor([self.ids]), self.row, **self.forward)
+            self.pos = len(self.ids)
+            return len(self.ids)
+        start, ids = self.pos, self.ids
+        while self.pos < len(ids) and (budget is None or self.pos - start < budget or self.pos == start):
+            s = self.pos
+            last = s + PREFILL_CHUNK >= len(ids)
+            # the chunks before the last compute no logits (the LM head's weights are ~15 % of a pass's bytes)
+            opts = self.forward if last else {**self.forward, "logits_for": "none"}
+            out = self.model.forward(torch.tensor([ids[s:s + PREFILL_CHUNK]]), self.row, **opts)
+            self.pos = min(s + PREFILL_CHUNK, len(ids))
+            if self.every or last:
+                self._outs.append(out)
+        if self.pos == len(ids):
+            self._finish()
+        return self.pos - start
+
+    def _finish(self) -> None:
+        if self.prefix is not None:
+            self.prefix.store(self.ids, self.row)
+        out, outs = self._outs[-1], self._outs
+        if self.every and len(outs) > 1:  # every position's final state (and taps), in order
+            hidden = torch.cat([o.hidden for o in outs], 1)  # (1, N, D)
+            taps = torch.cat([o.taps for o in outs], 1) if out.taps is not None else None
+            out = type(out)(logits=out.logits, hidden=hidden, taps=taps)
+        self._outs = []
+        self.output = out
+
+
 def prefill(model, ids: list[int], row: KVCache, *, prefix: PrefixCache | None = None, **forward):
-    """Run prompt ``ids`` into cache row ``row`` (a one-row view, reset): after the longest prefix ``prefix`` holds,
-    in chunks of ``PREFILL_CHUNK`` tokens, and keep its whole blocks there; in one pass where the model does not
-    chunk (``chunked``). ``forward`` goes to ``model.forward`` (``logits_for``, ``all_hidden``, ``taps``; a caller
-    that asks for every position's hidden state gets them all, and must not pass a prefix cache: it holds keys
-    and values only). Returns (the ModelOutput of the prompt's last chunk — every position's hidden states and
-    taps where ``all_hidden`` was asked —, the number of prompt tokens read from the cache)."""
-    if not chunked(model) or len(ids) <= PREFILL_CHUNK and prefix is None:
-        return model.forward(torch.tensor([ids]), row, **forward), 0
-    every = bool(forward.get("all_hidden"))
-    if prefix is not None and every:
-        raise ValueError("a prefill that returns every position's hidden state cannot start from a prefix cache")
-    cached = prefix.load(ids, row) if prefix is not None else 0
-    starts = range(cached, len(ids), PREFILL_CHUNK)
-    outs = []
-    for s in starts:
-        last = s + PREFILL_CHUNK >= len(ids)
-        # the chunks before the last compute no logits (the LM head's weights are ~15 % of a pass's bytes)
-        opts = forward if last else {**forward, "logits_for": "none"}
-        out = model.forward(torch.tensor([ids[s:s + PREFILL_CHUNK]]), row, **opts)
-        if every or last:
-            outs.append(out)
-    if prefix is not None:
-        prefix.store(ids, row)
-    out = outs[-1]
-    if every and len(outs) > 1:  # every position's final state (and taps), in order
-        hidden = torch.cat([o.hidden for o in outs], 1)  # (1, N, D)
-        taps = torch.cat([o.taps for o in outs], 1) if out.taps is not None else None
-        out = type(out)(logits=out.logits, hidden=hidden, taps=taps)
-    return out, cached
+    """``Prefill`` run to the end. Returns (the ModelOutput of the prompt's last chunk — every position's hidden
+    states and taps where ``all_hidden`` was asked —, the number of prompt tokens read from the cache)."""
+    p = Prefill(model, ids, row, prefix=prefix, **forward)
+    p.run()
+    return p.output, p.cached

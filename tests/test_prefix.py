@@ -193,3 +193,103 @@ def test_the_server_reports_cached_prompt_tokens(dw):
     assert cached > 0 and cached % C == 0 and cached < got[1]["prompt_tokens"]
     assert f"draftwise_prefix_cache_hit_tokens_total {float(cached)}" in metrics
     assert "draftwise_prefix_cache_bytes " in metrics
+
+
+# ---- a prompt prefilled between steps of the running batch -------------------------------------------------
+def alone(model, prompt, max_tokens):
+    dec = Decoder(model, None, FixedGamma(1), rows=1, capacity=CTX)
+    seq = Sequence(list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    with torch.inference_mode():
+        dec.run([seq])
+    return seq.output_ids
+
+
+@pytest.mark.parametrize("leave", [False, True], ids=["stay", "a-running-one-leaves"])
+def test_a_long_prompt_prefills_between_steps_with_the_same_tokens(model, leave):
+    """``begin`` / ``advance(32)``: the running sequences step between the new prompt's chunks; the new one joins
+    the batch (moved down a row when a running one left meanwhile) and every output is its alone-run's."""
+    short = [tokens(10, seed=20), tokens(12, seed=21)]
+    long = tokens(6 * C + 9, seed=22)
+    dec = Decoder(model, None, FixedGamma(1), rows=3, capacity=CTX)
+    limits = [3 if leave else 40, 40]
+    seqs = [Sequence(list(p), SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(short, limits)]
+    new = Sequence(list(long), SamplingParams(max_tokens=20, ignore_eos=True))
+    with torch.inference_mode():
+        for s in seqs:
+            dec.add(s)
+        dec.begin(new)
+        assert dec.free_rows == 0 and new.row == 2
+        advances = 0
+        while dec.prefilling is not None:
+            done, spent = dec.advance(C)
+            advances += 1
+            assert spent <= C
+            dec.step()  # the running ones go on between the chunks
+        assert advances == 7 and done is new and new in dec.running and new.row == len(dec.running) - 1
+        assert new.row == (1 if leave else 2)
+        while dec.running:
+            dec.step()
+    assert [s.output_ids for s in seqs] == [alone(model, p, n) for p, n in zip(short, limits)]
+    assert new.output_ids == alone(model, long, 20)
+
+
+def test_a_prefill_aborted_or_failed_leaves_its_row_free(model, monkeypatch):
+    dec = Decoder(model, None, FixedGamma(1), rows=1, capacity=CTX)
+    first = Sequence(tokens(4 * C, seed=23), SamplingParams(max_tokens=4))
+    with torch.inference_mode():
+        dec.begin(first)
+        dec.advance(C)
+        dec.abort(first)
+        assert first.finish_reason == "abort" and dec.prefilling is None and dec.free_rows == 1
+        second = Sequence(tokens(3 * C, seed=24), SamplingParams(max_tokens=4))
+        dec.begin(second)
+        real, calls = model.forward, {"n": 0}
+
+        def failing(*a, **kw):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("boom")
+            return real(*a, **kw)
+        monkeypatch.setattr(model, "forward", failing)
+        with pytest.raises(RuntimeError, match="boom"):
+            dec.advance(None)
+        monkeypatch.undo()
+        assert dec.prefilling is None and dec.free_rows == 1 and not dec.running
+        third = Sequence(tokens(2 * C + 3, seed=25), SamplingParams(max_tokens=6, ignore_eos=True))
+        dec.run([third])
+    assert third.output_ids == alone(model, third.prompt_ids, 6)
+
+
+def test_the_server_streams_running_requests_while_a_long_prompt_prefills(dw):
+    """With ``max_prefill_tokens`` 32 a 500-token prompt takes many iterations; the running stream gets tokens
+    in between, and both answers are their alone-runs'."""
+    import queue as queue_mod
+
+    from draftwise.serve.engine import Output
+
+    engine = Engine(dw, EngineConfig(method="ar", max_batch=2, max_prefill_tokens=32)).start()
+    try:
+        events: queue_mod.Queue = queue_mod.Queue()
+        vocab = dw.target.config.vocab_size
+        short, long = tokens(8, seed=26, vocab=vocab), tokens(16 * C - 20, seed=27, vocab=vocab)
+        params = SamplingParams(max_tokens=120, ignore_eos=True)
+        engine.submit("short", [engine.new_sequence(short, params)], lambda ev: events.put(("short", ev)))
+        while events.get(timeout=60)[0] != "short":
+            pass  # the short one runs
+        engine.submit("long", [engine.new_sequence(long, SamplingParams(max_tokens=8, ignore_eos=True))],
+                      lambda ev: events.put(("long", ev)))
+        order, texts = [], {"short": [], "long": []}
+        done = set()
+        while len(done) < 2:
+            rid, ev = events.get(timeout=120)
+            assert isinstance(ev, Output), ev
+            order.append((rid, len(ev.token_ids)))
+            texts[rid] += ev.token_ids
+            if ev.finish_reason is not None:
+                done.add(rid)
+        first_long = next(i for i, (rid, n) in enumerate(order) if rid == "long" and n)
+        assert sum(n for rid, n in order[:first_long] if rid == "short") >= 10  # it streamed meanwhile
+    finally:
+        engine.stop()
+    cold = SpeculativeDecoder(dw.target, None, progress=False, prefix_cache_mb=0)
+    assert texts["long"] == cold.generate(long, SamplingParams(max_tokens=8, ignore_eos=True), method="ar").token_ids

@@ -33,9 +33,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="context per sequence, prompt + output (default: the model's, at most 4096)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="sequences that may wait for a free row; more are refused with 503 (default 64)")
-    p.add_argument("--max-prefill-tokens", type=common.positive_int, default=2048,
-                   help="prompt tokens prefilled between two decode steps, beside those the prefix cache holds "
-                        "(default 2048)")
+    p.add_argument("--max-prefill-tokens", type=common.positive_int, default=256,
+                   help="prompt tokens prefilled between two decode steps, beside those the prefix cache holds; "
+                        "a longer prompt goes on after the next step, so running requests keep streaming "
+                        "(default 256)")
     common.add_tree_args(p)
 
 
