@@ -196,6 +196,8 @@ class Decoder:
             spent = pre.run(budget)
         except BaseException:
             self._end_prefill()
+            self.cache.reset(seq.row)
+            seq.row = -1
             raise
         seq.stats.prefill_s += time.perf_counter() - t0
         if not pre.done:

@@ -109,8 +109,10 @@ class PrefixCache:
         row ``row`` (a one-row view) holds at those positions. Returns the blocks added."""
         B = self.block
         n = (len(ids) if end is None else min(end, len(ids))) // B
-        n = min(n, row.length() // B)
-        if n == 0 or self.budget == 0:
+        layers, _, heads, _, dim = row.k.shape
+        size = 2 * layers * heads * B * dim * row.k.element_size()  # bytes a block holds
+        n = min(n, row.length() // B, self.budget // size)  # a chain longer than the budget keeps its start
+        if n <= 0:
             return 0
         added = 0
         with self._lock:
@@ -120,9 +122,6 @@ class PrefixCache:
                     continue
                 k = row.k[:, 0, :, i * B:(i + 1) * B].clone()  # (layers, kv_heads, B, head_dim)
                 v = row.v[:, 0, :, i * B:(i + 1) * B].clone()
-                size = 2 * k.numel() * k.element_size()
-                if size > self.budget:
-                    return added
                 self._blocks[key] = (k, v)
                 self.bytes += size
                 added += 1

@@ -124,6 +124,9 @@ def test_eviction_keeps_the_budget_and_the_deepest_blocks_go_first(model):
     tiny = PrefixCache(block - 1)  # a block larger than the budget is not kept
     run(model, a, tiny)
     assert len(tiny) == 0 and tiny.bytes == 0
+    two = PrefixCache(2 * block)  # a chain longer than the budget keeps its start (never more than the budget)
+    run(model, a, two)
+    assert len(two) == 2 and two.bytes == 2 * block and two.cached_length(a) == 2 * C
 
 
 def test_a_different_token_anywhere_before_a_block_misses_it(model):
