@@ -131,8 +131,13 @@ class Decoder:
         self._prefill: Prefill | None = None
 
     @property
+    def rows_in_use(self) -> int:
+        """Cache rows holding a sequence: the running ones (rows 0..B-1) and the one in prefill (the next)."""
+        return len(self.running) + (self.prefilling is not None)
+
+    @property
     def free_rows(self) -> int:
-        return self.cache.rows - len(self.running) - (self.prefilling is not None)
+        return self.cache.rows - self.rows_in_use
 
     def check_fits(self, seq: Sequence) -> None:
         headroom = self.gamma.max_gamma + 1 if self.drafter else 1

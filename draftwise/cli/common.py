@@ -25,24 +25,24 @@ def gamma_arg(s: str) -> int | str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def positive_float(s: str) -> float:
+def _float_arg(s: str, ok, what: str) -> float:
+    """``s`` as a float for which ``ok`` holds, else argparse's one-line error naming ``what`` it must be."""
     try:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s}")
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"expected a number {what}, got {s}")
     return v
+
+
+def positive_float(s: str) -> float:
+    return _float_arg(s, lambda v: v > 0, "> 0")
 
 
 def non_negative_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}")
-    return v
+    """A finite number >= 0 (a MiB budget)."""
+    return _float_arg(s, lambda v: 0 <= v < float("inf"), ">= 0")
 
 
 def positive_int(s: str) -> int:

@@ -394,8 +394,8 @@ def sse(data: dict) -> str:
 
 
 def usage(prompt_tokens: int, seqs: list[ServeSequence]) -> dict:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens the (first) choice's
-    prefill read from the prefix cache."""
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens read from the prefix
+    cache, the fewest any choice's prefill read (a later choice may find the blocks an earlier one left)."""
     completion = sum(s.num_output for s in seqs)
     cached = min((s.stats.cached_tokens for s in seqs), default=0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,

@@ -12,8 +12,8 @@ threads (the asyncio HTTP server, a benchmark) talk to it through two thread-saf
 Each iteration of the loop: drop cancelled requests (their rows and cache are free at once), prefill
 waiting sequences into free rows (up to ``max_prefill_tokens`` prompt tokens to compute — those the prefix
 cache holds cost nothing —; a longer prompt goes on in the next iterations, so running sequences keep getting
-tokens while it is prefilled and are not starved by a burst of long prompts), then one ``Decoder.step()`` for every running sequence, then
-hand each sequence's new text to its sink. Requests join and leave the batch between steps.
+tokens while it is prefilled and are not starved by a burst of long prompts), then one ``Decoder.step()`` for
+every running sequence, then hand each sequence's new text to its sink. Requests join and leave the batch between steps.
 
 Memory: the KV caches of target and draft model are reserved once at start, ``rows`` rows of
 ``max_model_len`` (+ draft headroom) tokens each, ``rows`` chosen to fit ``kv_cache_mb``; the OS commits
@@ -444,15 +444,13 @@ class Engine:
     def _loop(self) -> None:
         with torch.inference_mode():
             while True:
-                if not self._trimmed and not self.decoder.running and not self._waiting \
-                        and self.decoder.prefilling is None:
+                if not self._trimmed and not self.decoder.rows_in_use and not self._waiting:
                     self._trimmed = True  # going idle: the rows' pages and what activations freed go back
                     self._release_rows()
                     gc.collect()  # what requests left in reference cycles (tasks, frames, errors) and the
                     self._trim()  # tensors those hold: else only a rare full collection frees them
                 with self._lock:
-                    while not (self._stop or self._waiting or self._cancelled or self.decoder.running
-                               or self.decoder.prefilling is not None):
+                    while not (self._stop or self._waiting or self._cancelled or self.decoder.rows_in_use):
                         self._lock.wait()
                     self._trimmed = False
                     if self._stop:
@@ -461,9 +459,7 @@ class Engine:
                 try:
                     self._drop(cancelled)
                     self._admit()
-                    # rows written: the running ones and a prompt's in prefill (the next one)
-                    self._used_rows = max(self._used_rows, len(self.decoder.running)
-                                          + (self.decoder.prefilling is not None))
+                    self._used_rows = max(self._used_rows, self.decoder.rows_in_use)
                     self._step()
                 except Exception as e:  # a bug must not take the server down: fail what is running
                     log.error("engine step failed:\n%s", traceback.format_exc())

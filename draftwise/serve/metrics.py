@@ -76,7 +76,7 @@ class EngineMetrics:
             lambda: sum(s.nbytes for s in stores()))
         g("suffix_cache_limit_tokens", "The suffix store's bound in tokens (the oldest sequences are evicted)"
           ).set_function(lambda: sum(s.max_tokens for s in stores()))
-        prefix = lambda: engine.dw.prefix_cache()  # None where --prefix-cache-mb is 0
+        prefix = lambda: getattr(getattr(engine, "decoder", None), "prefix_cache", None)  # None: no cache
         g("prefix_cache_bytes", "Bytes of prompt keys and values the target's prefix cache holds").set_function(
             lambda: prefix().bytes if prefix() is not None else 0)
         g("prefix_cache_limit_bytes", "The target's prefix cache bound (--prefix-cache-mb; least recently used "
