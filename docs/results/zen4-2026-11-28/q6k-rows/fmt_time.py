@@ -1,5 +1,8 @@
-import sys, time, statistics
-import draftwise
+# ruff: noqa: I001  (draftwise before torch: its OpenMP settings)
+import statistics
+import time
+
+import draftwise  # noqa: F401
 import torch
 from draftwise.models import load_model
 from draftwise.kernels import QLinear
