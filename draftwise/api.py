@@ -425,15 +425,9 @@ class SpeculativeDecoder:
         return self._draft_pass() * (DRAFT_RATIO if self.bridge is not None else 1.0)
 
     def _draft_pass(self) -> float:
-        """Seconds of the draft model's one-token pass (``PassCosts.draft_pass``), kept on disk with its
-        head's vocabulary (a head cut to part of it is faster)."""
-        d = self.draft
-
-        def identity() -> str | None:
-            ident = model_identity(d)
-            return None if ident is None else ident + f"|head {getattr(d.model.lm_head, 'extra_repr', lambda: '')()}"
-
-        return self.costs.draft_pass(d.model, identity)
+        """Seconds of the draft model's one-token pass as the γ policy prices it (``PassCosts.draft_pass``:
+        its ratio to the target's, timed alternately in this process)."""
+        return self.costs.draft_pass(self.draft.model)
 
     @property
     def _target_costs(self) -> dict[int, float]:  # the measured points (tests set them)

@@ -1,15 +1,23 @@
 """This machine's measured costs, which the adaptive γ policy, method auto and layerskip's calibration
 price drafting with: the seconds of a batch-1 target pass over T new tokens, and of a draft model's
-one-token pass. Each is measured once, when first needed (about half a second for the 1.5B target and
-its draft), with ``gamma.measure_forward_costs``, and kept in ``$DRAFTWISE_HOME/kernels`` per weight
-file, weight format, kernel build, CPU and thread count, so that later processes (each ``draftwise
-generate``) start without measuring. They are a prior: the adaptive policy fits real step costs as it
-runs."""
+one-token pass. The target's are measured when first needed (about half a second for the 1.5B) with
+``gamma.measure_forward_costs`` and kept in ``$DRAFTWISE_HOME/kernels`` per weight file, weight format,
+kernel build, CPU and thread count, so that later processes (each ``draftwise generate``) start without
+measuring. They are a prior: the adaptive policy fits real step costs as it runs.
+
+A timing taken while something else ran on the machine is slow, and a kept one would mislead every later
+process (AMD Zen 4: points kept from a busy minute priced the 0.5B draft's token at 0.67 of the 1.5B's
+instead of 0.31, and ``--gamma auto`` stopped drafting: ``draft`` 0.99x ``ar`` on code instead of 1.65x).
+So each process first times one target token afresh (``one_token_seconds``, ~0.1 s) and measures again,
+replacing what was kept, when the kept one-token pass is over ``STALE`` times slower; and a draft model's
+token is priced as its ratio to the target's, the two timed alternately in this process (a busy minute
+slows both), times the target's kept one-token pass."""
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +29,33 @@ log = logging.getLogger("draftwise")
 KEEP_MIN_BYTES = 16 << 20  # smaller weight files (test models) are timed in milliseconds: nothing kept
 
 AUTO_COST_SIZES = (1, 2, 3, 5, 9)  # target pass sizes measured for method auto's cost model
+# kept points whose one-token pass is this many times a fresh timing's were measured on a busier machine:
+# measured again (this machine's own spread between minutes is ±20 %)
+STALE = 1.3
+CHECK_CONTEXT = 4  # cached tokens before the one-token passes of one_token_seconds
+
+
+@torch.inference_mode()
+def one_token_seconds(models, rounds: int = 3, context: int = CHECK_CONTEXT) -> list[float]:
+    """Seconds of each model's one-token pass after ``context`` cached tokens (the fastest of ``rounds``,
+    after a warm-up), the models timed alternately: their ratio then holds whatever else the machine runs."""
+    runs = []
+    for model in models:
+        ids = (torch.arange(context + 1, dtype=torch.long) * 7919 % model.config.vocab_size).view(1, -1)  # (1, C+1)
+        cache = model.new_cache(1, context + 2)
+        model.forward(ids[:, :context], cache, logits_for="last")
+        runs.append((model, ids, cache))
+    best = [float("inf")] * len(runs)
+    for r in range(rounds + 1):  # round 0 warms up
+        for i, (model, ids, cache) in enumerate(runs):
+            cache.set_lengths(context)
+            t0 = time.perf_counter()
+            model.forward(ids[:, context:], cache, logits_for="last")
+            if r:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    for _, _, cache in runs:
+        cache.set_lengths(0)
+    return best
 
 
 def model_identity(loaded) -> str | None:
@@ -72,16 +107,30 @@ class _Kept:
         try:
             from .kernels import _save_cache
 
-            _save_cache(self.path, {"seconds": {**self.read(), **seconds}, "signature": self.sig})
+            old = {k: v for k, v in self.read().items() if not k.startswith("draft:")}  # a draft's seconds, kept before they were timed per process
+            _save_cache(self.path, {"seconds": {**old, **seconds}, "signature": self.sig})
         except OSError as e:  # an unwritable home: measured again next time
             log.info("draftwise: measured pass costs not kept (%s)", e)
+
+    def drop(self, prefix: str) -> None:
+        """Forget the kept entries whose names start with ``prefix``."""
+        if self.path is None:
+            return
+        try:
+            from .kernels import _save_cache
+
+            left = {k: v for k, v in self.read().items() if not k.startswith(prefix)}
+            _save_cache(self.path, {"seconds": left, "signature": self.sig})
+        except OSError as e:
+            log.info("draftwise: kept pass costs not updated (%s)", e)
 
 
 class PassCosts:
     """``costs(T)``: seconds of a batch-1 target pass over T new tokens on this machine — measured at
     AUTO_COST_SIZES and any size measured for this decoder (``measure``), made non-decreasing (timings
     are noisy), linear in between and beyond. ``seconds``: the measured points. ``identity``: the target's
-    ``model_identity`` (computed when first needed), under which measured points are kept on disk."""
+    ``model_identity`` (computed when first needed), under which measured points are kept on disk; a process
+    takes them after one fresh timing agrees (``STALE``)."""
 
     def __init__(self, target_model, identity=None):
         self.model = target_model
@@ -89,6 +138,30 @@ class PassCosts:
         self._draft: dict[int, float] = {}  # id(draft model) -> seconds of its one-token pass
         self._identity = identity  # () -> str | None
         self._kept: _Kept | None = None
+        self._now1: float | None = None  # the target's one-token pass timed in this process (one_token_seconds)
+        self._checked = False  # the kept points compared with it
+
+    def _fresh1(self) -> float:
+        if self._now1 is None:
+            self._now1 = one_token_seconds([self.model])[0]
+        return self._now1
+
+    def _kept_points(self) -> dict[str, float]:
+        """What earlier processes kept, once per process checked against a fresh one-token timing: points
+        whose one-token pass is over STALE times slower were timed on a busier machine, and are dropped
+        (from disk too) to be measured again. Points faster than now are kept: the machine is busy now."""
+        kept = self._store().read()
+        if self._checked or "pass1" not in kept:
+            self._checked = True
+            return kept
+        self._checked = True
+        now = self._fresh1()
+        if kept["pass1"] > STALE * now:
+            log.info("draftwise: kept pass costs (one token %.1f ms) are slower than now (%.1f ms): measured again",
+                     kept["pass1"] * 1e3, now * 1e3)
+            self._store().drop("pass")
+            return {k: v for k, v in kept.items() if not k.startswith("pass")}
+        return kept
 
     def _store(self) -> _Kept:
         if self._kept is None:
@@ -101,7 +174,7 @@ class PassCosts:
         missing = sorted(set(sizes) - set(self.seconds))
         if not missing:
             return
-        kept = self._store().read()
+        kept = self._kept_points()
         for T in missing:
             if f"pass{T}" in kept:
                 self.seconds[T] = kept[f"pass{T}"]
@@ -122,22 +195,17 @@ class PassCosts:
                 return max(c0 + (c1 - c0) * (tokens - t0) / (t1 - t0), pts[0][1])
         return pts[0][1]
 
-    def draft_pass(self, draft_model, identity=None) -> float:
-        """Seconds of one single-token pass of ``draft_model`` (measured once; kept on disk beside the target's
-        points under ``identity()``, called when first needed, when it gives one)."""
+    def draft_pass(self, draft_model) -> float:
+        """Seconds of one single-token pass of ``draft_model``, as the policy compares it with the target's
+        passes: its ratio to the target's one-token pass, the two timed alternately in this process (~0.1 s,
+        measured once), times the target's kept or measured one-token pass."""
         key = id(draft_model)
         if key not in self._draft:
-            ident = identity() if identity is not None else None
-            name = f"draft:{ident}" if ident is not None else None
-            kept = self._store().read() if name is not None else {}
-            if name in kept:
-                self._draft[key] = kept[name]
-            else:
-                self._draft[key] = measure_forward_costs(draft_model, 1, logits_for="last")[0]
-                if name is not None:
-                    self._store().add({name: self._draft[key]})
+            target, draft = one_token_seconds([self.model, draft_model])
+            if self._now1 is None:
+                self._now1 = target  # the fresh timing the kept points are checked against
+            self._draft[key] = draft / target * self(1)
         return self._draft[key]
-
 
 def prime(policy: AdaptiveGamma, costs: PassCosts, *, width: int = 1, per_draft: float = 0.0,
           text_drafts: bool = False) -> AdaptiveGamma:

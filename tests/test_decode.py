@@ -300,17 +300,20 @@ def test_pass_costs_are_kept_per_model_and_machine(tiny_target, tmp_path, monkey
     assert ident is not None and str(weights.resolve()) in ident
     first = PassCosts(tiny_target, lambda: ident)
     first.measure([1, 3])
-    assert set(first.seconds) == {1, 3} and first.draft_pass(tiny_target, lambda: "d") > 0
+    assert set(first.seconds) == {1, 3} and first.draft_pass(tiny_target) > 0
 
     calls = []
     real = costs_mod.measure_forward_costs
     monkeypatch.setattr(costs_mod, "measure_forward_costs", lambda *a, **k: calls.append(k) or real(*a, **k))
+    # the fresh check agrees with what was kept (a tiny model's millisecond timings would not: see below)
+    monkeypatch.setattr(costs_mod, "one_token_seconds", lambda models, **k: [first.seconds[1]] * len(models))
     again = PassCosts(tiny_target, lambda: ident)
     again.measure([1, 3])
-    assert again.seconds == first.seconds and again.draft_pass(tiny_target, lambda: "d") == first.draft_pass(tiny_target, lambda: "d")
+    assert again.seconds == {T: first.seconds[T] for T in (1, 3)}
+    assert again.draft_pass(tiny_target) == first.seconds[1]  # ratio 1 (the sizes it needs were kept by first)
     assert calls == []
-    again.measure([2])  # a size not kept yet: measured, then kept beside the others
-    assert len(calls) == 1 and PassCosts(tiny_target, lambda: ident)._store().read().keys() >= {"pass1", "pass2", "pass3"}
+    again.measure([4])  # a size not kept yet: measured, then kept beside the others
+    assert len(calls) == 1 and PassCosts(tiny_target, lambda: ident)._store().read().keys() >= {"pass1", "pass3", "pass4"}
 
     weights.write_bytes(b"GGUF" + bytes(61))  # the file changed: its costs are its own
     assert model_identity(loaded) != ident
@@ -322,6 +325,64 @@ def test_pass_costs_are_kept_per_model_and_machine(tiny_target, tmp_path, monkey
     anonymous.measure([1])
     PassCosts(tiny_target, lambda: None).measure([1])
     assert len(calls) == 4 and sorted((tmp_path / "home" / "kernels").glob("costs-*.json")) == kept
+
+
+def kept_costs(tmp_path, monkeypatch, tiny_target, seconds: dict[str, float]):
+    """A PassCosts whose identity has ``seconds`` kept on disk (as an earlier process left them)."""
+    from draftwise import costs as costs_mod
+    from draftwise.costs import PassCosts, _Kept
+    from draftwise.kernels import extension
+
+    if extension() is None:
+        pytest.skip("costs are kept per kernel build: the kernel is not built here")
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(costs_mod, "KEEP_MIN_BYTES", 0)
+    _Kept("m|1").add(seconds)
+    return PassCosts(tiny_target, lambda: "m|1")
+
+
+def test_kept_pass_costs_from_a_busier_machine_are_measured_again(tiny_target, tmp_path, monkeypatch):
+    """Points kept from a busy minute (their one-token pass over STALE times a fresh timing's) are dropped,
+    from disk too, and measured again; points faster than now are kept (the machine is busy now). AMD Zen 4:
+    kept points from a busy minute stopped ``--gamma auto`` from drafting (``draft`` 0.99x ``ar`` on code)."""
+    from draftwise import costs as costs_mod
+    from draftwise.costs import STALE, _Kept
+
+    calls = []
+    real = costs_mod.measure_forward_costs
+    monkeypatch.setattr(costs_mod, "measure_forward_costs", lambda *a, **k: calls.append(k["sizes"]) or real(*a, **k))
+    monkeypatch.setattr(costs_mod, "one_token_seconds", lambda models, **k: [0.01] * len(models))
+    busy = kept_costs(tmp_path, monkeypatch, tiny_target, {"pass1": STALE * 0.0101, "pass3": 9.0, "pass25": 99.0})
+    busy.measure([1, 3])
+    assert calls == [[1, 3]] and busy.seconds[1] < 1 and busy.seconds[3] < 9  # tiny: milliseconds
+    assert set(_Kept("m|1").read()) == {"pass1", "pass3"}  # pass25 went with the rest
+    busy.measure([2])  # checked once per process: a size not kept is measured beside the others
+    assert calls == [[1, 3], [2]]
+
+    calls.clear()
+    ok = kept_costs(tmp_path / "b", monkeypatch, tiny_target, {"pass1": STALE * 0.0099, "pass3": 9.0})
+    ok.measure([1, 3])
+    assert calls == [] and ok.seconds == {1: STALE * 0.0099, 3: 9.0}
+    busy_now = kept_costs(tmp_path / "c", monkeypatch, tiny_target, {"pass1": 0.001, "pass3": 0.002})
+    busy_now.measure([1, 3])
+    assert calls == [] and busy_now.seconds == {1: 0.001, 3: 0.002}
+
+
+def test_a_draft_models_token_is_priced_by_its_ratio_to_the_targets(tiny_target, tiny_draft, monkeypatch):
+    """The draft model's one-token pass and the target's, timed alternately in this process: their ratio
+    times the target's one-token cost the policy uses, so a busy minute while either was timed cannot make
+    drafting look dearer than verifying. Timed once per draft model."""
+    from draftwise import costs as costs_mod
+    from draftwise.costs import PassCosts, one_token_seconds
+
+    timed = []
+    monkeypatch.setattr(costs_mod, "one_token_seconds", lambda models, **k: timed.append(models) or [0.030, 0.009])
+    costs = PassCosts(tiny_target)
+    costs.seconds = {T: 0.040 for T in (1, 2, 3, 5, 9)}
+    assert costs.draft_pass(tiny_draft) == pytest.approx(0.009 / 0.030 * 0.040)
+    assert costs.draft_pass(tiny_draft) == pytest.approx(0.012) and timed == [[tiny_target, tiny_draft]]
+    real = one_token_seconds([tiny_target, tiny_draft], rounds=2)
+    assert len(real) == 2 and all(0 < s < 1 for s in real)
 
 
 # ---- token trees through the one loop ---------------------------------------------------------------
