@@ -501,22 +501,22 @@ def _time_paths(ext, paths: list[str], rows: int = 8) -> dict[str, float]:
              (torch.randint(-32, 32, (N, K), dtype=torch.int8, generator=g), 32, 8)]
     cases = [(q, torch.rand(N, K // G, generator=g), torch.rand(N, K // G, generator=g) if bits == 4 else
               torch.empty(0), G, bits) for q, G, bits in cases]  # scales (N, K/G); mins for int4
-    out = {}
-    for p in paths:
+    for p in paths:  # warm-up
         ext.set_isa(p)
-        total = 0.0
         for q, scale, minv, G, bits in cases:
-            for _ in range(2):  # warm-up
+            for _ in range(2):
                 ext.qmm(x, q, scale, minv, G, bits, 8)
-            best = float("inf")
-            for _ in range(5):
+    # the paths timed in turn, five rounds, the best of each: a busy second slows every path, not just one
+    best = {(p, i): float("inf") for p in paths for i in range(len(cases))}
+    for _ in range(5):
+        for p in paths:
+            ext.set_isa(p)
+            for i, (q, scale, minv, G, bits) in enumerate(cases):
                 t0 = time.perf_counter()
                 for _ in range(4):
                     ext.qmm(x, q, scale, minv, G, bits, 8)
-                best = min(best, time.perf_counter() - t0)
-            total += best / 4
-        out[p] = total
-    return out
+                best[p, i] = min(best[p, i], time.perf_counter() - t0)
+    return {p: sum(best[p, i] for i in range(len(cases))) / 4 for p in paths}
 
 
 def cpu_fields() -> dict[str, str]:
