@@ -1,5 +1,5 @@
 # ruff: noqa
-# python gpolicy.py ../../zen4-2026-11-28/kq-mb1/code/prompts.jsonl 2 : `draft` with γ auto / 4 / 3 and `ar` in one process, alternated per prompt
+# python gpolicy.py ../kq-mb1/code/prompts.jsonl 2 : `draft` with γ auto / 4 / 3 and `ar` in one process, alternated per prompt
 import json, sys, time, collections, statistics
 import draftwise
 from draftwise.api import SpeculativeDecoder
