@@ -207,6 +207,7 @@ class PassCosts:
             self._draft[key] = draft / target * self(1)
         return self._draft[key]
 
+
 def prime(policy: AdaptiveGamma, costs: PassCosts, *, width: int = 1, per_draft: float = 0.0,
           text_drafts: bool = False) -> AdaptiveGamma:
     """Seed an adaptive policy's cost fit with this machine's measured step costs: a target pass over
