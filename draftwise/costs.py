@@ -101,28 +101,18 @@ class _Kept:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return {}
 
-    def add(self, seconds: dict[str, float]) -> None:
+    def add(self, seconds: dict[str, float], *, forget: str = "draft:") -> None:
+        """Keep ``seconds`` beside the kept entries, forgetting those whose names start with ``forget`` (by
+        default a draft's seconds, kept before they were timed in each process)."""
         if self.path is None:
             return
         try:
             from .kernels import _save_cache
 
-            old = {k: v for k, v in self.read().items() if not k.startswith("draft:")}  # a draft's seconds, kept before they were timed per process
+            old = {k: v for k, v in self.read().items() if not k.startswith(forget)}
             _save_cache(self.path, {"seconds": {**old, **seconds}, "signature": self.sig})
         except OSError as e:  # an unwritable home: measured again next time
             log.info("draftwise: measured pass costs not kept (%s)", e)
-
-    def drop(self, prefix: str) -> None:
-        """Forget the kept entries whose names start with ``prefix``."""
-        if self.path is None:
-            return
-        try:
-            from .kernels import _save_cache
-
-            left = {k: v for k, v in self.read().items() if not k.startswith(prefix)}
-            _save_cache(self.path, {"seconds": left, "signature": self.sig})
-        except OSError as e:
-            log.info("draftwise: kept pass costs not updated (%s)", e)
 
 
 class PassCosts:
@@ -150,16 +140,15 @@ class PassCosts:
         """What earlier processes kept, once per process checked against a fresh one-token timing: points
         whose one-token pass is over STALE times slower were timed on a busier machine, and are dropped
         (from disk too) to be measured again. Points faster than now are kept: the machine is busy now."""
-        kept = self._store().read()
-        if self._checked or "pass1" not in kept:
-            self._checked = True
-            return kept
+        kept, first = self._store().read(), not self._checked
         self._checked = True
+        if not first or "pass1" not in kept:
+            return kept
         now = self._fresh1()
         if kept["pass1"] > STALE * now:
             log.info("draftwise: kept pass costs (one token %.1f ms) are slower than now (%.1f ms): measured again",
                      kept["pass1"] * 1e3, now * 1e3)
-            self._store().drop("pass")
+            self._store().add({}, forget="pass")
             return {k: v for k, v in kept.items() if not k.startswith("pass")}
         return kept
 
