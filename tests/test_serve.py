@@ -514,6 +514,33 @@ def test_a_running_plain_request_is_cancelled_soon_after_its_client_leaves(tiny_
         assert engine.steps < 100
 
 
+def test_steps_are_counted_by_the_drafts_verified(tiny_dw):
+    """``draftwise_steps{gamma}`` counts a step by the most draft tokens a row had verified, not the γ the
+    policy asked for: a drafter that proposes nothing (prompt lookup without a match, method auto's free
+    drafters between their turns) makes γ = 0 steps. Before, bench-serve reported γ 4 on 97 % of the steps
+    of a run whose τ was 1.02."""
+    engine = Engine(tiny_dw, EngineConfig(method="draft", gamma=3, gamma_policy="fixed", max_model_len=64,
+                                          max_batch=2)).start()
+    try:
+        inner = engine.drafter.inner
+        propose = inner.propose
+        calls = []
+
+        def every_other(seqs, ks):  # drafts on every other step only
+            calls.append(ks)
+            drafts = propose(seqs, ks)
+            return drafts if len(calls) % 2 else [type(d)([]) for d in drafts]
+        inner.propose = every_other
+        p = SamplingParams(max_tokens=12, ignore_eos=True)
+        collect(engine, "r", [engine.new_sequence([5, 6, 7], p)])
+        counts = {lab: engine.metrics.steps.labels(lab)._value.get() for lab in ("0", "1", "2", "3")}
+        assert max(calls[0]) == 3 and max(calls[1]) == 3  # the policy asked for 3 (up to the budget's end)
+        assert counts["0"] >= len(calls) // 2 and counts["3"] >= 1, counts  # each emptied step a γ = 0 one
+        assert sum(counts.values()) == engine.steps
+    finally:
+        engine.stop()
+
+
 def test_metrics_names(tiny_server):
     text = httpx.get(tiny_server.base_url + "/metrics").text
     for name in ("draftwise_requests_total", "draftwise_generation_tokens_total", "draftwise_queue_depth",

@@ -545,12 +545,15 @@ class Engine:
         self.steps += 1
         self.gamma_now = max(self.drafter.last_ks, default=0) if self.drafter is not None else 0
         self._switch_speculation()
-        emitted = drafted = accepted = 0
+        emitted = drafted = accepted = longest = 0
         for s, (n0, d0, a0) in zip(running, before):
             emitted += s.num_output - n0
             drafted += s.stats.drafted - d0
             accepted += s.stats.accepted - a0
-        self.metrics.observe_step(len(running), self.gamma_now, emitted, drafted, accepted, dt)
+            longest = max(longest, s.stats.drafted - d0)
+        # the steps counter goes by the drafts the target verified, not the γ asked for: a drafter may propose
+        # nothing (prompt lookup without a match, method auto's free drafters between their turns)
+        self.metrics.observe_step(len(running), longest, emitted, drafted, accepted, dt)
         for s in running:
             if s.error is not None:  # its step raised (Decoder._fail): that request fails alone
                 log.error("sequence of %s failed:\n%s", s.request_id,

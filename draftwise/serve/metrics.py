@@ -28,7 +28,8 @@ class EngineMetrics:
         self.generation_tokens = Counter("generation_tokens", "Output tokens generated", namespace=ns, registry=r)
         self.drafted = Counter("draft_tokens", "Draft tokens proposed", namespace=ns, registry=r)
         self.accepted = Counter("accepted_tokens", "Draft tokens accepted", namespace=ns, registry=r)
-        self.steps = Counter("steps", "Decode steps by draft length γ (0 = no speculation)", ["gamma"],
+        self.steps = Counter("steps", "Decode steps by the most draft tokens a row had verified (gamma; 0 = "
+                             "none: no speculation, or the drafter proposed nothing)", ["gamma"],
                              namespace=ns, registry=r)
         self.step_seconds = Histogram("step_seconds", "Duration of one decode step for the whole batch",
                                       namespace=ns, registry=r,
@@ -86,8 +87,8 @@ class EngineMetrics:
         self._window: collections.deque[tuple[float, int, int, int, int]] = collections.deque()
         self._mu = threading.Lock()
 
-    def observe_step(self, rows: int, gamma: int, emitted: int, drafted: int, accepted: int, seconds: float):
-        self.steps.labels(str(gamma)).inc()
+    def observe_step(self, rows: int, verified: int, emitted: int, drafted: int, accepted: int, seconds: float):
+        self.steps.labels(str(verified)).inc()
         self.step_seconds.observe(seconds)
         self.drafted.inc(drafted)
         self.accepted.inc(accepted)
