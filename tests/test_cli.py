@@ -38,6 +38,37 @@ def test_methods_same_tokens_through_cli(capsys, hf_folder):
     assert ids["draft"] == ids["pld"] == ids["nasd"] == ids["ar"]
 
 
+def test_generated_text_to_a_pipe_is_exact(capsys, hf_folder):
+    """Not a terminal (a pipe, a file): the text as generated. Rich expanded tabs to spaces and dropped
+    carriage returns, so ``draftwise generate ... > Makefile`` differed from the model's text."""
+    args = ("generate", "hello world", "--target", str(hf_folder), "--method", "ar", "--max-tokens", "24")
+    code, out, _ = run_cli(capsys, *args, "--json")
+    assert code == 0
+    text = json.loads(out)["text"]
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0 and out.startswith(text + "\n")
+
+
+def test_live_text_shows_control_characters_on_a_terminal_and_keeps_them_in_a_pipe():
+    import io
+
+    from rich.console import Console
+
+    from draftwise.cli.render import LiveText, visible_controls
+
+    pieces = [("a\tb\r\n", "plain"), ("\x1b]0;pwned\x07\x1b[2J", "accepted"), ("\x9b31m é 日本 👍", "bonus")]
+    raw = "".join(p for p, _ in pieces)
+    pipe = io.StringIO()
+    LiveText(Console(file=pipe, force_terminal=False))(pieces)
+    assert pipe.getvalue() == raw  # exact: the tab, the carriage return, the escapes
+    tty = io.StringIO()
+    LiveText(Console(file=tty, force_terminal=True, no_color=True), colour=False)(pieces)
+    shown = tty.getvalue()
+    assert "\x1b" not in shown and "\x07" not in shown and "\x9b" not in shown  # nothing reaches the terminal raw
+    assert "\\x1b]0;pwned\\x07\\x1b[2J" in shown and "\\x9b31m é 日本 👍" in shown and "\r" not in shown
+    assert visible_controls("x\r\ny\rz\t") == "x\ny\\x0dz\t"
+
+
 def test_coloured_output_and_summary(capsys, hf_folder):
     code, out, _ = run_cli(capsys, "generate", "hello world", "--target", str(hf_folder), "--draft", str(hf_folder),
                            "--max-tokens", "10")

@@ -6,9 +6,23 @@ LEGEND = "  ([green]accepted draft[/] [bold red]corrected[/] [bold blue]bonus[/]
 COLOURS = {"plain": "", "accepted": "green", "recovered": "bold red", "bonus": "bold blue"}
 
 
+def visible_controls(text: str) -> str:
+    """``text`` for a terminal: control characters but newline and tab (C0, DEL, C1) shown as escapes
+    (``\\x1b``), so that a model's output cannot move the cursor, retitle the window or ring the bell, and a
+    carriage return before a newline (CRLF text) dropped. Rich would pass ESC on and drop the others."""
+    return "".join(f"\\x{ord(c):02x}" if _control(c) else c for c in text.replace("\r\n", "\n"))
+
+
+def _control(c: str) -> bool:
+    o = ord(c)
+    return (o < 0x20 and c not in "\n\t") or 0x7F <= o < 0xA0
+
+
 class LiveText:
     """Prints a generation's pieces as they come (``SpeculativeDecoder.generate(on_text=...)``), each
-    coloured by how its token was produced; ``end`` finishes the line."""
+    coloured by how its token was produced; ``end`` finishes the line. To a terminal through rich, control
+    characters made visible (``visible_controls``); to a pipe or file the exact text (rich would expand tabs
+    to spaces and drop carriage returns: a generated Makefile or CRLF file would differ from the output)."""
 
     def __init__(self, console, colour: bool = True):
         self.console, self.colour = console, colour
@@ -16,9 +30,13 @@ class LiveText:
     def __call__(self, pieces: list[tuple[str, str]]) -> None:
         from rich.text import Text
 
+        if not self.console.is_terminal:
+            self.console.file.write("".join(piece for piece, _ in pieces))
+            self.console.file.flush()
+            return
         out = Text()
         for piece, kind in pieces:
-            out.append(piece, style=COLOURS.get(kind, "") if self.colour else "")
+            out.append(visible_controls(piece), style=COLOURS.get(kind, "") if self.colour else "")
         # soft_wrap: the terminal wraps; rich must not break a line that later pieces continue
         self.console.print(out, end="", soft_wrap=True)
         self.console.file.flush()
