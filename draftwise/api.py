@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from collections.abc import Callable
@@ -28,9 +31,11 @@ from .drafters.suffix import SuffixCache
 from .errors import IncompatibleModelsError, InvalidParameterError
 from .models import LoadedModel, default_draft_weights, load_model
 from .models.base import is_encoder_decoder
-from .prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache, chunked
+from .prefix import DEFAULT_PREFIX_CACHE_DISK_MB, DEFAULT_PREFIX_CACHE_MB, DiskBlocks, PrefixCache, chunked
 from .sampling import SamplingParams
 from .sequence import GenerationStats, Sequence
+
+log = logging.getLogger("draftwise")
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -88,6 +93,8 @@ class ModelSpec:
     skip_layers: str | None = None
     heads: str | None = None
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_mb: float = DEFAULT_PREFIX_CACHE_DISK_MB
 
     @classmethod
     def from_args(cls, args) -> "ModelSpec":
@@ -109,7 +116,8 @@ def build_decoder(spec: ModelSpec, *, method: str | None = None, progress: bool 
         spec = spec.for_method(method)
     return SpeculativeDecoder(spec.target, spec.draft, dtype=spec.dtype, draft_dtype=spec.draft_dtype,
                               backend=spec.backend, progress=progress, skip_layers=spec.skip_layers,
-                              prefix_cache_mb=spec.prefix_cache_mb)
+                              prefix_cache_mb=spec.prefix_cache_mb, prefix_cache_dir=spec.prefix_cache_dir,
+                              prefix_cache_disk_mb=spec.prefix_cache_disk_mb)
 
 
 THREADS_HELP = ("torch CPU threads (default: the cores this process may use: its CPU affinity, capped by a "
@@ -225,18 +233,30 @@ class SpeculativeDecoder:
     def __init__(self, target: str | LoadedModel = DEFAULT_TARGET, draft: str | LoadedModel | None = DEFAULT_DRAFT,
                  *, dtype: str = "auto", draft_dtype: str | None = None, backend: str = "native",
                  progress: bool = True, skip_layers: str | list[int] | None = None,
-                 draft_vocab: int | str | None = None, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
+                 draft_vocab: int | str | None = None, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                 prefix_cache_dir: str | Path | None = None,
+                 prefix_cache_disk_mb: float = DEFAULT_PREFIX_CACHE_DISK_MB):
         """``skip_layers`` ("3,5,7-12" or indices): the layers method layerskip skips, instead of the
         calibrated set (``layerskip_plan``). ``draft_vocab``: the tokens the draft model's head computes
         (``draft_head_tokens``): a count, "full", "auto", or None (``DRAFTWISE_DRAFT_VOCAB``, else "auto").
         ``prefix_cache_mb``: MiB of prompt keys and values each model keeps for later prompts that start the
-        same way (``prefix.py``; 0: none); it never changes the output."""
+        same way (``prefix.py``; 0: none); it never changes the output. ``prefix_cache_dir``: a folder where
+        each model's prefix cache also keeps its blocks, ``prefix_cache_disk_mb`` MiB at most per model, for
+        later processes (``prefix.DiskBlocks``; None: memory only)."""
         from .cpus import cap_torch_threads
 
         if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) \
                 or not prefix_cache_mb >= 0:
             raise InvalidParameterError(f"prefix_cache_mb must be a number >= 0, got {prefix_cache_mb!r}")
+        if isinstance(prefix_cache_disk_mb, bool) or not isinstance(prefix_cache_disk_mb, (int, float)) \
+                or not prefix_cache_disk_mb > 0:
+            raise InvalidParameterError(f"prefix_cache_disk_mb must be a number > 0, got {prefix_cache_disk_mb!r}")
+        if prefix_cache_dir is not None and Path(prefix_cache_dir).expanduser().exists() \
+                and not Path(prefix_cache_dir).expanduser().is_dir():
+            raise InvalidParameterError(f"prefix cache folder {str(prefix_cache_dir)!r} is a file, not a folder")
         self.prefix_cache_mb = prefix_cache_mb
+        self.prefix_cache_dir = Path(prefix_cache_dir).expanduser() if prefix_cache_dir is not None else None
+        self.prefix_cache_disk_mb = prefix_cache_disk_mb
         self._prefix_caches: dict[int, tuple[object, PrefixCache]] = {}  # id(model) -> (model, its cache)
 
         cap_torch_threads()  # torch's default thread count ignores a container's CPU quota
@@ -272,8 +292,34 @@ class SpeculativeDecoder:
             return None
         held = self._prefix_caches.get(id(model))
         if held is None:
-            held = self._prefix_caches[id(model)] = (model, PrefixCache(int(self.prefix_cache_mb * 2**20)))
+            held = self._prefix_caches[id(model)] = (model, PrefixCache(int(self.prefix_cache_mb * 2**20),
+                                                                        disk=self._disk_blocks(model)))
         return held[1]
+
+    def _disk_blocks(self, model) -> DiskBlocks | None:
+        """``model``'s block folder under ``prefix_cache_dir``: named by what decides its keys' and values' bits (the
+        weight file and format, the kernel build, the cache's dtype and shape), so a changed model or kernel never
+        reads another's blocks. None without a folder, or for a model that is not a local file (built in memory)."""
+        if self.prefix_cache_dir is None:
+            return None
+        from .kernels import build_name
+        from .prefix import BLOCK, DISK_FORMAT
+
+        loaded = next((m for m in (self.target, self._draft) if m is not None and m.model is model), None)
+        ident = model_identity(loaded, min_bytes=0) if loaded is not None else None
+        if ident is None:
+            log.info("draftwise: %s is not a local weight file: its prefix cache stays in memory",
+                     getattr(loaded, "name", "a model"))
+            return None
+        cfg = model.config
+        key = "|".join(map(str, (DISK_FORMAT, ident, build_name(), model.dtype, BLOCK, cfg.num_layers,
+                                 cfg.num_kv_heads, cfg.head_dim)))
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(loaded.name)).name)[:60]
+        folder = self.prefix_cache_dir / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        try:
+            return DiskBlocks(folder, int(self.prefix_cache_disk_mb * 2**20))
+        except OSError as e:
+            raise InvalidParameterError(f"prefix cache folder {str(folder)!r} cannot be made: {e}") from None
 
     @property
     def draft(self) -> LoadedModel:

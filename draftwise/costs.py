@@ -58,10 +58,10 @@ def one_token_seconds(models, rounds: int = 3, context: int = CHECK_CONTEXT) -> 
     return best
 
 
-def model_identity(loaded) -> str | None:
+def model_identity(loaded, min_bytes: int | None = None) -> str | None:
     """What a loaded model's measured costs are kept under: its weight file (path, size, modification time),
     weight format and class; None for a model that is not a local file or folder (a hub id, one built in
-    memory) or is smaller than KEEP_MIN_BYTES: its costs are measured in each process."""
+    memory) or is smaller than ``min_bytes`` (default KEEP_MIN_BYTES: its costs are measured in each process)."""
     from .models.registry import resolve
 
     try:
@@ -69,7 +69,7 @@ def model_identity(loaded) -> str | None:
         if not isinstance(src, Path):
             return None
         st = src.stat()
-        if src.is_file() and st.st_size < KEEP_MIN_BYTES:
+        if src.is_file() and st.st_size < (KEEP_MIN_BYTES if min_bytes is None else min_bytes):
             return None
         return f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|{loaded.weights}|{type(loaded.model).__name__}"
     except Exception:  # nothing to key on: measure

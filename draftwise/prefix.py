@@ -15,15 +15,24 @@ hit never changes a bit of the output (``tests/test_prefix.py`` checks the logit
 method's tokens). A chat client resends the whole conversation every turn; with the cache a turn computes
 only the new message (from the last answer's final block on), as llama.cpp's server does with a slot's
 cache; vLLM calls the block scheme automatic prefix caching.
+
+``DiskBlocks`` keeps the blocks in a folder too (``--prefix-cache-dir``), one safetensors file per block named by
+its chain key, under a sub-folder per model identity (weight file, format, kernel build: what decides the bits), so
+that the next process — a ``draftwise generate`` run again over the same long document, a restarted server — reads
+a prompt's keys and values instead of computing them (llama.cpp's ``--prompt-cache``), least recently used files
+first out past the folder's bound.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -35,6 +44,103 @@ BLOCK = 32  # tokens per cached block
 # MiB of blocks each model keeps by default (SpeculativeDecoder, `--prefix-cache-mb`): the Qwen 1.5B's keys and
 # values are 56 KiB a token, so 512 MiB hold ~9300 tokens; the 0.5B draft's 24 KiB a token
 DEFAULT_PREFIX_CACHE_MB = 512
+DEFAULT_PREFIX_CACHE_DISK_MB = 4096  # MiB of block files a model keeps in --prefix-cache-dir
+DISK_FORMAT = 1  # the block files' layout: part of the folder's name
+
+log = logging.getLogger("draftwise")
+
+
+class DiskBlocks:
+    """Blocks of one model's keys and values in ``folder`` (one ``<key>.safetensors`` file each, never pickle),
+    least recently used (file modification time) first out past ``budget_bytes``. A file is written whole and
+    renamed into place, so another process never reads half of one; a file that does not read back as the
+    shapes expected is a miss (and removed). Thread-safe through the ``PrefixCache`` that owns it."""
+
+    def __init__(self, folder: Path | str, budget_bytes: int):
+        self.folder = Path(folder)
+        self.budget = int(budget_bytes)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.read_blocks = self.written_blocks = 0
+
+    def _path(self, key: bytes) -> Path:
+        return self.folder / f"{key.hex()}.safetensors"
+
+    def has(self, key: bytes) -> bool:
+        return self._path(key).is_file()
+
+    def get(self, key: bytes, shape: tuple[int, ...] | None, dtype: torch.dtype | None):
+        """(k, v) of the block ``key``, or None: not kept, or not of ``shape`` and ``dtype`` (None: any)."""
+        from safetensors.torch import load_file
+
+        path = self._path(key)
+        try:
+            t = load_file(str(path))
+            k, v = t["k"], t["v"]
+            if (shape is not None and (tuple(k.shape) != shape or tuple(v.shape) != shape)) or \
+                    (dtype is not None and (k.dtype != dtype or v.dtype != dtype)):
+                raise ValueError(f"a block of {tuple(k.shape)} {k.dtype}, expected {shape} {dtype}")
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # a damaged or foreign file: a miss, and gone
+            log.warning("draftwise: prefix cache file %s unreadable (%s); removed", path.name, e)
+            path.unlink(missing_ok=True)
+            return None
+        self.read_blocks += 1
+        return k, v
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Mark a chain's files used, its start the most recent (as ``PrefixCache._touch``): past the budget its
+        deepest blocks go first."""
+        for key in reversed(keys):
+            try:
+                os.utime(self._path(key))
+            except OSError:  # removed meanwhile
+                pass
+
+    def put(self, key: bytes, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Write the block unless it is kept already (then mark it used). False where it could not be written (a
+        full disk, ...)."""
+        from safetensors.torch import save_file
+
+        path = self._path(key)
+        if path.is_file():
+            try:
+                os.utime(path)
+                return True
+            except OSError:  # removed meanwhile: write it
+                pass
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            save_file({"k": k.contiguous(), "v": v.contiguous()}, str(tmp))
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            log.warning("draftwise: prefix cache block not written to %s (%s)", self.folder, e)
+            return False
+        self.written_blocks += 1
+        return True
+
+    def prune(self) -> int:
+        """Remove the least recently used files past the budget. Returns the files removed."""
+        files = []
+        for p in self.folder.glob("*.safetensors"):
+            try:
+                st = p.stat()
+            except OSError:  # removed by another process meanwhile
+                continue
+            files.append((st.st_mtime_ns, st.st_size, p))
+        total = sum(f[1] for f in files)
+        removed = 0
+        for _, size, p in sorted(files, key=lambda f: f[0]):
+            if total <= self.budget:
+                break
+            p.unlink(missing_ok=True)
+            total -= size
+            removed += 1
+        return removed
+
+    def bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.folder.glob("*.safetensors") if p.is_file())
 
 
 def chunked(model) -> bool:
@@ -50,11 +156,13 @@ class PrefixCache:
     """Keys and values of token prefixes for one model, in blocks of ``block`` tokens (a block: every layer's
     keys and values of those positions), least recently used first out past ``budget_bytes``."""
 
-    def __init__(self, budget_bytes: int, block: int = BLOCK):
+    def __init__(self, budget_bytes: int, block: int = BLOCK, disk: DiskBlocks | None = None):
         if budget_bytes < 0:
             raise ValueError(f"prefix cache budget must be >= 0 bytes, got {budget_bytes}")
         self.budget = int(budget_bytes)
         self.block = block
+        self.disk = disk  # the blocks kept in a folder too (read where memory lacks them), or None
+        self._shape: tuple[tuple[int, ...], torch.dtype] | None = None  # a block's (k shape, dtype), once known
         # chain key -> (k, v), each (layers, kv_heads, block, head_dim); the most recently used last
         self._blocks: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.bytes = 0
@@ -74,30 +182,58 @@ class PrefixCache:
             key = hashlib.blake2b(key + array("q", ids[i * B:(i + 1) * B]).tobytes(), digest_size=16).digest()
             yield key
 
-    def _found(self, ids: list[int]) -> list[tuple[bytes, tuple[torch.Tensor, torch.Tensor]]]:
+    def _found(self, ids: list[int], read: bool = True) -> list[tuple[bytes, tuple[torch.Tensor, torch.Tensor]]]:
+        """The cached blocks of the longest prefix of ``ids``: from memory, else (``read``) from the disk, which
+        then come into memory. ``read`` False: the disk's blocks are only looked for (their tensors are None)."""
         found = []
         for key in self.keys(ids, (len(ids) - 1) // self.block):  # at least one token is left to compute
             hit = self._blocks.get(key)
+            if hit is None and self.disk is not None:
+                if not read:
+                    if not self.disk.has(key):
+                        break
+                    found.append((key, None))
+                    continue
+                shape, dtype = self._shape if self._shape is not None else (None, None)
+                hit = self.disk.get(key, shape, dtype)
+                if hit is not None:
+                    self._keep(key, *hit)
             if hit is None:
                 break
             found.append((key, hit))
         return found
 
+    def _keep(self, key: bytes, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._blocks[key] = (k, v)
+        self._shape = (tuple(k.shape), k.dtype)
+        self.bytes += 2 * k.numel() * k.element_size()
+
+    def _evict(self) -> None:
+        while self.bytes > self.budget and self._blocks:
+            _, (k, v) = self._blocks.popitem(last=False)
+            self.bytes -= 2 * k.numel() * k.element_size()
+            self.evicted_blocks += 1
+
     def cached_length(self, ids: list[int]) -> int:
         """The tokens of ``ids`` that ``load`` would read from the cache now (nothing is copied or reordered)."""
         with self._lock:
-            return len(self._found(ids)) * self.block
+            return len(self._found(ids, read=False)) * self.block
 
     def load(self, ids: list[int], row: KVCache) -> int:
         """Copy the keys and values of the longest cached prefix of ``ids`` (whole blocks, leaving at least one
         token to compute) into cache row ``row`` (a one-row view, reset) and set its length to it. Returns the
         prefix's length in tokens (0: nothing cached)."""
         B = self.block
+        layers, _, heads, _, dim = row.k.shape
         with self._lock:
+            self._shape = ((layers, heads, B, dim), row.k.dtype)  # what a block read from the disk must be
             found = self._found(ids)
             self._touch([key for key, _ in found])
+            self._evict()  # blocks read from the disk may go past the budget: the deepest first, not these
             self.queried_tokens += len(ids)
             self.hit_tokens += len(found) * B
+        if self.disk is not None:
+            self.disk.touch([key for key, _ in found])
         for i, (_, (k, v)) in enumerate(found):
             row.k[:, 0, :, i * B:(i + 1) * B] = k
             row.v[:, 0, :, i * B:(i + 1) * B] = v
@@ -111,25 +247,30 @@ class PrefixCache:
         n = (len(ids) if end is None else min(end, len(ids))) // B
         layers, _, heads, _, dim = row.k.shape
         size = 2 * layers * heads * B * dim * row.k.element_size()  # bytes a block holds
-        n = min(n, row.length() // B, self.budget // size)  # a chain longer than the budget keeps its start
+        n = min(n, row.length() // B, max(self.budget, self.disk.budget if self.disk is not None else 0) // size)
         if n <= 0:
             return 0
         added = 0
         with self._lock:
             keys = list(self.keys(ids, n))
+            blocks = []  # every block of the chain, for the disk
             for i, key in enumerate(keys):
                 if key in self._blocks:
+                    blocks.append((key, *self._blocks[key]))
                     continue
                 k = row.k[:, 0, :, i * B:(i + 1) * B].clone()  # (layers, kv_heads, B, head_dim)
                 v = row.v[:, 0, :, i * B:(i + 1) * B].clone()
-                self._blocks[key] = (k, v)
-                self.bytes += size
-                added += 1
-            self._touch(keys)
-            while self.bytes > self.budget:
-                _, (k, v) = self._blocks.popitem(last=False)
-                self.bytes -= 2 * k.numel() * k.element_size()
-                self.evicted_blocks += 1
+                blocks.append((key, k, v))
+                if (i + 1) * size <= self.budget:  # a chain longer than the memory's budget keeps its start there
+                    self._keep(key, k, v)
+                    added += 1
+            self._touch([key for key in keys if key in self._blocks])
+            self._evict()
+        if self.disk is not None:  # outside the lock: a long prompt writes tens of MB; the deepest first, so
+            for key, k, v in reversed(blocks):  # the chain's start is the most recently used file
+                if not self.disk.put(key, k, v):
+                    break
+            self.disk.prune()
         return added
 
     def _touch(self, keys: list[bytes]) -> None:
@@ -144,9 +285,13 @@ class PrefixCache:
             self.bytes = 0
 
     def snapshot(self) -> dict:
-        return {"blocks": len(self._blocks), "bytes": self.bytes, "budget_bytes": self.budget,
-                "block_tokens": self.block, "queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens,
-                "evicted_blocks": self.evicted_blocks}
+        out = {"blocks": len(self._blocks), "bytes": self.bytes, "budget_bytes": self.budget,
+               "block_tokens": self.block, "queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens,
+               "evicted_blocks": self.evicted_blocks}
+        if self.disk is not None:
+            out.update(disk_folder=str(self.disk.folder), disk_budget_bytes=self.disk.budget,
+                       disk_read_blocks=self.disk.read_blocks, disk_written_blocks=self.disk.written_blocks)
+        return out
 
 
 class Prefill:

@@ -17,7 +17,7 @@ from draftwise.models import LoadedModel, load_model
 from draftwise.models.base import ModelConfig
 from draftwise.models.transformer import random_model
 from draftwise.decode import Decoder, FixedGamma
-from draftwise.prefix import BLOCK, PREFILL_CHUNK, PrefixCache, chunked, prefill
+from draftwise.prefix import BLOCK, PREFILL_CHUNK, DiskBlocks, PrefixCache, chunked, prefill
 from draftwise.sampling import SamplingParams
 from draftwise.sequence import Sequence
 from draftwise.serve.engine import Engine, EngineConfig
@@ -140,6 +140,65 @@ def test_a_different_token_anywhere_before_a_block_misses_it(model):
     assert cache.cached_length(b) == 0
 
 
+# ---- blocks on disk (--prefix-cache-dir) -----------------------------------------------------------------------
+def test_blocks_on_disk_serve_a_later_process_bit_for_bit(model, tmp_path):
+    """A second cache (a later process: nothing in memory) over the same folder reads the blocks a first one wrote,
+    and the prompt gets the logits, keys and values of a prefill from an empty cache."""
+    first = tokens(6 * C + 40, seed=11)
+    second = first[:4 * C + 7] + tokens(2 * C, seed=12)
+    writer = PrefixCache(1 << 30, disk=DiskBlocks(tmp_path, 1 << 30))
+    run(model, first, writer)
+    assert writer.disk.written_blocks == 7 and len(list(tmp_path.glob("*.safetensors"))) == 7  # 232 tokens
+    reader = PrefixCache(1 << 30, disk=DiskBlocks(tmp_path, 1 << 30))
+    assert len(reader) == 0 and reader.cached_length(second) == 4 * C  # found without reading them
+    out, cached, row = run(model, second, reader)
+    ref, _, ref_row = run(model, second)
+    assert cached == 4 * C and reader.disk.read_blocks == 4
+    assert torch.equal(out.logits, ref.logits)
+    n = len(second)
+    assert torch.equal(row.k[:, 0, :, :n], ref_row.k[:, 0, :, :n]) and torch.equal(row.v[:, 0, :, :n], ref_row.v[:, 0, :, :n])
+    # a memory budget of two blocks still reads the whole prefix from the disk
+    small = PrefixCache(2 * writer.bytes // len(writer), disk=DiskBlocks(tmp_path, 1 << 30))
+    out2, cached2, _ = run(model, second, small)
+    assert cached2 == (len(second) - 1) // C * C  # the reader wrote the rest of second's blocks
+    assert torch.equal(out2.logits, ref.logits) and small.bytes <= small.budget
+
+
+def test_damaged_or_foreign_block_files_are_misses(model, tmp_path):
+    ids = tokens(3 * C + 5, seed=13)
+    run(model, ids, PrefixCache(1 << 30, disk=DiskBlocks(tmp_path, 1 << 30)))
+    files = sorted(tmp_path.glob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+    keys = list(PrefixCache(0).keys(ids, 3))
+    (tmp_path / f"{keys[1].hex()}.safetensors").write_bytes(b"not a safetensors file")  # damaged: the 2nd block
+    from safetensors.torch import save_file
+    save_file({"k": torch.zeros(1, 2, C, 4), "v": torch.zeros(1, 2, C, 4)}, str(tmp_path / f"{keys[2].hex()}.safetensors"))
+    cache = PrefixCache(1 << 30, disk=DiskBlocks(tmp_path, 1 << 30))
+    out, cached, _ = run(model, ids, cache)
+    ref, _, _ = run(model, ids)
+    assert cached == C and torch.equal(out.logits, ref.logits)  # the first block only; no error
+    assert len(files) == 3 and cache.snapshot()["disk_read_blocks"] == 1
+    # the damaged file was removed and written again by this run; the foreign one is found out at its first read
+    assert (tmp_path / f"{keys[1].hex()}.safetensors").stat().st_size > 1000
+    again = PrefixCache(1 << 30, disk=DiskBlocks(tmp_path, 1 << 30))
+    assert run(model, ids, again)[1] == 2 * C
+    assert run(model, ids, PrefixCache(1 << 30, disk=DiskBlocks(tmp_path, 1 << 30)))[1] == 3 * C
+
+
+def test_the_folder_keeps_its_budget_least_recently_used_first(model, tmp_path):
+    a, b = tokens(2 * C + 1, seed=14), tokens(2 * C + 1, seed=15)
+    probe = PrefixCache(1 << 30, disk=DiskBlocks(tmp_path / "probe", 1 << 30))
+    run(model, a, probe)
+    size = max(p.stat().st_size for p in (tmp_path / "probe").glob("*.safetensors"))
+    disk = DiskBlocks(tmp_path / "x", 3 * size)
+    run(model, a, PrefixCache(1 << 30, disk=disk))
+    run(model, b, PrefixCache(1 << 30, disk=disk))  # 4 blocks written, 3 fit: a's deepest goes (its start stays)
+    assert disk.bytes() <= 3 * size and len(list((tmp_path / "x").glob("*.safetensors"))) == 3
+    fresh = PrefixCache(1 << 30, disk=DiskBlocks(tmp_path / "x", 3 * size))
+    assert fresh.cached_length(b + [1]) == 2 * C and fresh.cached_length(a + [1]) == C
+    run(model, a, fresh)  # a read (its start) and written again: now b's deepest is the oldest
+    assert fresh.cached_length(a + [1]) == 2 * C and fresh.cached_length(b + [1]) == C
+
+
 # ---- through the decoder: every method, with and without the cache -----------------------------------------
 @pytest.fixture(scope="module")
 def dw(tmp_path_factory) -> SpeculativeDecoder:
@@ -170,6 +229,31 @@ def test_every_method_gives_the_same_tokens_with_the_cache(dw, method, params):
     assert second.token_ids == ref.token_ids and ref.stats.cached_tokens == 0
     if method in ("draft", "draft-tree"):  # the draft model's own cache served its start
         assert dw.prefix_cache(dw.draft.model).hit_tokens >= len(turn1) // C * C
+
+
+def test_a_decoder_with_a_cache_folder_serves_the_next_one(dw, tmp_path):
+    """Two decoders (two processes) over one --prefix-cache-dir: the second reads the first's prompt from the
+    folder, the target's in a sub-folder named by its weight file, format and kernel build; the same tokens."""
+    vocab = dw.target.config.vocab_size
+    prompt = tokens(5 * C + 9, seed=16, vocab=vocab)
+    params = SamplingParams(max_tokens=16)
+    one = SpeculativeDecoder(dw.target, dw.draft, progress=False, prefix_cache_dir=tmp_path)
+    a = one.generate(prompt, params, method="draft", gamma=3)
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert len(folders) == 1 and folders[0].startswith(dw.target.name.rsplit("/", 1)[-1][:20])  # the draft: in memory
+    two = SpeculativeDecoder(dw.target, dw.draft, progress=False, prefix_cache_dir=tmp_path)
+    b = two.generate(prompt, params, method="draft", gamma=3)
+    assert a.stats.cached_tokens == 0 and b.stats.cached_tokens == 5 * C and b.token_ids == a.token_ids
+    assert two.prefix_cache().snapshot()["disk_read_blocks"] == 5
+
+
+def test_prefix_cache_folder_is_checked(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    for kw, match in (({"prefix_cache_dir": f}, "is a file"), ({"prefix_cache_disk_mb": 0}, "prefix_cache_disk_mb"),
+                      ({"prefix_cache_disk_mb": "1"}, "prefix_cache_disk_mb")):
+        with pytest.raises(InvalidParameterError, match=match):
+            SpeculativeDecoder(LoadedModel("m", random_model(TINY_QWEN), None, 0.0), None, **kw)
 
 
 def test_prefix_cache_size_is_checked():

@@ -15,7 +15,7 @@ HELP = "benchmark methods and HF peers on a prompt set; write results.json, repo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    common.add_model_args(p, 0, ": every method prefills each prompt, as the peers do")
+    common.add_model_args(p, 0, ": every method prefills each prompt, as the peers do", disk=False)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated, from {', '.join(all_methods())}, or all (default "
                         f"{','.join(DEFAULT_METHODS)}); "

@@ -9,7 +9,7 @@ from ..api import DEFAULT_DRAFT, DEFAULT_TARGET, THREADS_HELP, ModelSpec, setup_
 from ..drafters import registry
 from ..errors import InvalidParameterError
 from ..gamma import parse_gamma
-from ..prefix import DEFAULT_PREFIX_CACHE_MB, PREFILL_CHUNK
+from ..prefix import DEFAULT_PREFIX_CACHE_DISK_MB, DEFAULT_PREFIX_CACHE_MB, PREFILL_CHUNK
 
 DEFAULT_METHOD = "auto"  # --method of generate and chat
 SERVE_DEFAULT_METHOD = "auto"  # --method of serve and bench-serve
@@ -103,9 +103,10 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
-                   prefix_why: str = "") -> None:
+                   prefix_why: str = "", disk: bool = True) -> None:
     """The model spec's options (``model_spec``) and --threads; ``prefix_cache_mb``: --prefix-cache-mb's
-    default in this command (``prefix_why``: why, when it is not the library's)."""
+    default in this command (``prefix_why``: why, when it is not the library's); ``disk``: --prefix-cache-dir
+    too (not in the benchmarks, which time every prompt's prefill)."""
     add_target_arg(p, "model name, GGUF file, HF folder or hub id")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --method draft (default {DEFAULT_DRAFT})")
     p.add_argument("--heads", default=None, help="draft heads for --method medusa / eagle: a folder from `draftwise train-head`, or "
@@ -129,6 +130,15 @@ def add_model_args(p: argparse.ArgumentParser, prefix_cache_mb: float = DEFAULT_
                         f"the same {PREFILL_CHUNK}-token blocks (a chat's history, a shared system prompt) skips "
                         f"their prefill; the output is the same bits either way; 0 turns it off (default "
                         f"{prefix_cache_mb:g}{prefix_why})")
+    if not disk:
+        return
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="also keep the prefix cache's blocks in this folder (a sub-folder per model, weight format "
+                        "and kernel build), so that a later run or a restarted server reads a prompt it has seen "
+                        "instead of computing it (default: memory only)")
+    p.add_argument("--prefix-cache-disk-mb", type=positive_float, default=DEFAULT_PREFIX_CACHE_DISK_MB, metavar="MB",
+                   help=f"MiB of block files each model keeps in --prefix-cache-dir, least recently used first out "
+                        f"(default {DEFAULT_PREFIX_CACHE_DISK_MB})")
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:

@@ -66,7 +66,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
 
 def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     common.add_model_args(b, 0, ": the modes and levels run the same prompts, which a cache would favour the later "
-                                "of")
+                                "of", disk=False)
     _engine_args(b)
     b.add_argument("--concurrency", type=common.int_list, default=[1, 4, 16], help="comma-separated (default 1,4,16)")
     b.add_argument("--requests", type=common.positive_int, default=None,
