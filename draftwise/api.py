@@ -31,7 +31,8 @@ from .drafters.suffix import SuffixCache
 from .errors import IncompatibleModelsError, InvalidParameterError
 from .models import LoadedModel, default_draft_weights, load_model
 from .models.base import is_encoder_decoder
-from .prefix import DEFAULT_PREFIX_CACHE_DISK_MB, DEFAULT_PREFIX_CACHE_MB, DiskBlocks, PrefixCache, chunked
+from .prefix import (BLOCK, DEFAULT_PREFIX_CACHE_DISK_MB, DEFAULT_PREFIX_CACHE_MB, DISK_FORMAT, DiskBlocks,
+                     PrefixCache, chunked)
 from .sampling import SamplingParams
 from .sequence import GenerationStats, Sequence
 
@@ -245,12 +246,10 @@ class SpeculativeDecoder:
         later processes (``prefix.DiskBlocks``; None: memory only)."""
         from .cpus import cap_torch_threads
 
-        if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) \
-                or not prefix_cache_mb >= 0:
-            raise InvalidParameterError(f"prefix_cache_mb must be a number >= 0, got {prefix_cache_mb!r}")
-        if isinstance(prefix_cache_disk_mb, bool) or not isinstance(prefix_cache_disk_mb, (int, float)) \
-                or not prefix_cache_disk_mb > 0:
-            raise InvalidParameterError(f"prefix_cache_disk_mb must be a number > 0, got {prefix_cache_disk_mb!r}")
+        for name, mib, zero in (("prefix_cache_mb", prefix_cache_mb, True),
+                                ("prefix_cache_disk_mb", prefix_cache_disk_mb, False)):
+            if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not (mib >= 0 if zero else mib > 0):
+                raise InvalidParameterError(f"{name} must be a number {'>=' if zero else '>'} 0, got {mib!r}")
         if prefix_cache_dir is not None and Path(prefix_cache_dir).expanduser().exists() \
                 and not Path(prefix_cache_dir).expanduser().is_dir():
             raise InvalidParameterError(f"prefix cache folder {str(prefix_cache_dir)!r} is a file, not a folder")
@@ -303,7 +302,6 @@ class SpeculativeDecoder:
         if self.prefix_cache_dir is None:
             return None
         from .kernels import build_name
-        from .prefix import BLOCK, DISK_FORMAT
 
         loaded = next((m for m in (self.target, self._draft) if m is not None and m.model is model), None)
         ident = model_identity(loaded, min_bytes=0) if loaded is not None else None

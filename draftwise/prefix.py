@@ -68,16 +68,15 @@ class DiskBlocks:
     def has(self, key: bytes) -> bool:
         return self._path(key).is_file()
 
-    def get(self, key: bytes, shape: tuple[int, ...] | None, dtype: torch.dtype | None):
-        """(k, v) of the block ``key``, or None: not kept, or not of ``shape`` and ``dtype`` (None: any)."""
+    def get(self, key: bytes, shape: tuple[int, ...], dtype: torch.dtype):
+        """(k, v) of the block ``key``, or None: not kept, or not of ``shape`` and ``dtype``."""
         from safetensors.torch import load_file
 
         path = self._path(key)
         try:
             t = load_file(str(path))
             k, v = t["k"], t["v"]
-            if (shape is not None and (tuple(k.shape) != shape or tuple(v.shape) != shape)) or \
-                    (dtype is not None and (k.dtype != dtype or v.dtype != dtype)):
+            if tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != dtype or v.dtype != dtype:
                 raise ValueError(f"a block of {tuple(k.shape)} {k.dtype}, expected {shape} {dtype}")
         except FileNotFoundError:
             return None
@@ -162,7 +161,6 @@ class PrefixCache:
         self.budget = int(budget_bytes)
         self.block = block
         self.disk = disk  # the blocks kept in a folder too (read where memory lacks them), or None
-        self._shape: tuple[tuple[int, ...], torch.dtype] | None = None  # a block's (k shape, dtype), once known
         # chain key -> (k, v), each (layers, kv_heads, block, head_dim); the most recently used last
         self._blocks: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.bytes = 0
@@ -182,20 +180,21 @@ class PrefixCache:
             key = hashlib.blake2b(key + array("q", ids[i * B:(i + 1) * B]).tobytes(), digest_size=16).digest()
             yield key
 
-    def _found(self, ids: list[int], read: bool = True) -> list[tuple[bytes, tuple[torch.Tensor, torch.Tensor]]]:
-        """The cached blocks of the longest prefix of ``ids``: from memory, else (``read``) from the disk, which
-        then come into memory. ``read`` False: the disk's blocks are only looked for (their tensors are None)."""
+    def _found(self, ids: list[int], read: tuple[tuple[int, ...], torch.dtype] | None = None
+               ) -> list[tuple[bytes, tuple[torch.Tensor, torch.Tensor]]]:
+        """The cached blocks of the longest prefix of ``ids``: from memory, else from the disk, read there where
+        ``read`` gives the (shape, dtype) a block must have (they then come into memory); without it the disk's
+        blocks are only looked for (their tensors are None)."""
         found = []
         for key in self.keys(ids, (len(ids) - 1) // self.block):  # at least one token is left to compute
             hit = self._blocks.get(key)
             if hit is None and self.disk is not None:
-                if not read:
+                if read is None:
                     if not self.disk.has(key):
                         break
                     found.append((key, None))
                     continue
-                shape, dtype = self._shape if self._shape is not None else (None, None)
-                hit = self.disk.get(key, shape, dtype)
+                hit = self.disk.get(key, *read)
                 if hit is not None:
                     self._keep(key, *hit)
             if hit is None:
@@ -205,7 +204,6 @@ class PrefixCache:
 
     def _keep(self, key: bytes, k: torch.Tensor, v: torch.Tensor) -> None:
         self._blocks[key] = (k, v)
-        self._shape = (tuple(k.shape), k.dtype)
         self.bytes += 2 * k.numel() * k.element_size()
 
     def _evict(self) -> None:
@@ -217,7 +215,7 @@ class PrefixCache:
     def cached_length(self, ids: list[int]) -> int:
         """The tokens of ``ids`` that ``load`` would read from the cache now (nothing is copied or reordered)."""
         with self._lock:
-            return len(self._found(ids, read=False)) * self.block
+            return len(self._found(ids)) * self.block
 
     def load(self, ids: list[int], row: KVCache) -> int:
         """Copy the keys and values of the longest cached prefix of ``ids`` (whole blocks, leaving at least one
@@ -226,8 +224,7 @@ class PrefixCache:
         B = self.block
         layers, _, heads, _, dim = row.k.shape
         with self._lock:
-            self._shape = ((layers, heads, B, dim), row.k.dtype)  # what a block read from the disk must be
-            found = self._found(ids)
+            found = self._found(ids, read=((layers, heads, B, dim), row.k.dtype))  # what a block must be
             self._touch([key for key, _ in found])
             self._evict()  # blocks read from the disk may go past the budget: the deepest first, not these
             self.queried_tokens += len(ids)
