@@ -1,23 +1,14 @@
 # ruff: noqa
 import sysconfig, glob, json, collections
 import draftwise
+from stdlib_table import table
 from draftwise.api import SpeculativeDecoder
 from draftwise.drafters.pld import NgramIndex
 from draftwise.drafters.draft_model import LOOKUP
 sd = SpeculativeDecoder(progress=False)
 tok = sd.tokenizer
-fs = glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py") + glob.glob(sysconfig.get_paths()["stdlib"] + "/*/*.py")
-fs = [f for f in fs if "/test" not in f and "/idlelib" not in f and "lib2to3" not in f]
 N = 4
-cnt = [collections.defaultdict(collections.Counter) for _ in range(N)]
-for f in fs:
-    s = tok.encode(open(f, encoding="utf-8", errors="replace").read())
-    for e in range(1, len(s)):
-        for c in range(1, N):
-            if e - c < 0: break
-            cnt[c][tuple(s[e - c:e])][s[e]] += 1
-best = [None] + [{k: v.most_common(1)[0] for k, v in cnt[c].items()} for c in range(1, N)]
-del cnt
+best = table(tok, N)
 seqs = json.load(open("code_seqs.json"))
 ctx_by_n = collections.Counter(); ctxhit_by_n = collections.Counter()
 tab_by = collections.Counter(); tabhit_by = collections.Counter()

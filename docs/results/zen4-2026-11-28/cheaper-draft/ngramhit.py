@@ -1,26 +1,13 @@
 # ruff: noqa
 import sysconfig, glob, json, time, collections, pickle, os
 import draftwise
+from stdlib_table import table
 from draftwise.api import SpeculativeDecoder
 from draftwise.sampling import SamplingParams
 sd = SpeculativeDecoder(progress=False)
 tok = sd.tokenizer
-fs = glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py") + glob.glob(sysconfig.get_paths()["stdlib"] + "/*/*.py")
-fs = [f for f in fs if "/test" not in f and "/idlelib" not in f and "lib2to3" not in f]
-t0 = time.time()
-ids = []
-for f in fs:
-    ids.append(tok.encode(open(f, encoding="utf-8", errors="replace").read()) if hasattr(tok, "encode") else None)
-print("tokenized", sum(map(len, ids)), "tokens in %.1f s" % (time.time() - t0))
 N = 4
-cnt = [collections.defaultdict(collections.Counter) for _ in range(N)]
-for s in ids:
-    for e in range(1, len(s)):
-        for c in range(1, N):
-            if e - c < 0: break
-            cnt[c][tuple(s[e - c:e])][s[e]] += 1
-best = [None] + [{k: v.most_common(1)[0] for k, v in cnt[c].items()} for c in range(1, N)]
-print("table sizes", [len(b) for b in best[1:]], "built %.1f s" % (time.time() - t0))
+best = table(tok, N)
 prompts = [json.loads(l)["turns"][0] for l in open("prompts.jsonl")]
 seqs = []
 for p in prompts:

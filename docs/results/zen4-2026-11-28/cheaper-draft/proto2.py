@@ -1,23 +1,14 @@
 # ruff: noqa
 import sysconfig, glob, json, sys, time, collections
 import draftwise
+from stdlib_table import table
 from draftwise.api import SpeculativeDecoder
 from draftwise.sampling import SamplingParams
 from draftwise.drafters import draft_model as dm
 sd = SpeculativeDecoder(progress=False)
 tok = sd.tokenizer
-fs = glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py") + glob.glob(sysconfig.get_paths()["stdlib"] + "/*/*.py")
-fs = [f for f in fs if "/test" not in f and "/idlelib" not in f and "lib2to3" not in f]
 N = 3
-cnt = [collections.defaultdict(collections.Counter) for _ in range(N)]
-for f in fs:
-    s = tok.encode(open(f, encoding="utf-8", errors="replace").read())
-    for e in range(1, len(s)):
-        for c in range(1, N):
-            if e - c < 0: break
-            cnt[c][tuple(s[e - c:e])][s[e]] += 1
-best = [None] + [{k: v.most_common(1)[0][0] for k, v in cnt[c].items()} for c in range(1, N)]
-del cnt
+best = table(tok, N)
 orig = dm._Lookup.expect
 ON = [False]
 stats = collections.Counter()
@@ -28,7 +19,7 @@ def expect(self, toks, chain, room):
     tail = (toks[-2:] + chain)[-2:]
     for c in range(N - 1, 0, -1):
         g = best[c].get(tuple(tail[-c:]))
-        if g is not None: stats["guess"] += 1; return [g]
+        if g is not None: stats["guess"] += 1; return [g[0]]
     return []
 dm._Lookup.expect = expect
 orec = dm._Lookup.record
