@@ -9,7 +9,7 @@
 | `DRAFTWISE_NO_KERNELS`        | kernels                          | `1`: do not build / use the C++ kernel (torch ops only)    |
 | `DRAFTWISE_PREFILL`           | kernels                          | `gemm` or `kernel`: force how long prefills run            |
 | `DRAFTWISE_EXACT_ACTIVATIONS` | kernels                          | `1`: fp32 activations for quantized weights (not int8)     |
-| `DRAFTWISE_TUNE`              | kernels                          | `0`: skip timing the kernel paths for multi-row calls and the prefetch level |
+| `DRAFTWISE_TUNE`              | kernels                          | `0`: skip timing the kernel paths for multi-row calls, the prefetch level and Q6_K's loop |
 | `DRAFTWISE_DRAFT_VOCAB`       | the draft model                  | its head's tokens: `auto` (default: 32768 where the head is 20 %+ of its weights), `full`, or its first N ids; with the special tokens and the context's |
 
 ``install.sh`` reads two more, as shell variables at install time only: ``DRAFTWISE_PEERS=1`` (same as

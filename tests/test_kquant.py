@@ -376,6 +376,79 @@ def test_prefetch_tuning_takes_l2_only_where_measured_faster(tmp_path, monkeypat
             ext.set_kq_prefetch_l2(f, v)
 
 
+def test_q6k_loop_changes_no_bit():
+    """Q6_K's two loops for calls of several rows (kernels._tune_kq6: the many-rows one, or the few-rows one in
+    passes of 4) give the same bits on every path and at every row count, one pass or several, and a partial tile."""
+    N, K = 40, 768
+    raw = torch.from_numpy(random_blocks("Q6_K", N, K, seed=11).reshape(-1).copy())
+    ext = extension()
+    w = ext.kq_pack(raw, 14, N, K, torch.empty(0, dtype=torch.uint8))
+    before = ext.kq6_many()
+    try:
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 17):
+            x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))  # (rows, K)
+            outs = []
+            for many in (True, False):
+                ext.set_kq6_many(many)
+                assert ext.kq6_many() is many
+                for isa in available_isas():
+                    with using_isa(isa):
+                        outs.append(ext.qmm_kq(x, w, 14, N))
+            assert all(torch.equal(o, outs[0]) for o in outs), rows
+            assert torch.equal(ext.qmm_kq(x[-1:], w, 14, N), outs[0][-1:])  # a row alone: the same bits
+    finally:
+        ext.set_kq6_many(before)
+
+
+def test_q6k_loop_tuning_takes_few_rows_only_where_measured_faster(tmp_path, monkeypatch):
+    """_tune_kq6: the few-rows loop only when it timed KQ6_MARGIN faster at 8 rows; the verdict cached per build
+    and CPU, applied from the cache by the next process (no timing then), and shown by kernel_info."""
+    import draftwise.kernels as K
+
+    ext = extension()
+    before = ext.kq6_many()
+    calls = []
+    few = {"t": 0.97}
+
+    def fake(ext_, fmt, rows, choices):
+        calls.append((fmt, rows, sorted(choices)))
+        for choose in choices.values():  # the choices set the kernel's loop
+            choose()
+        return {"many": 1.0, "few": few["t"]}
+
+    monkeypatch.setattr(K, "_time_choices", fake)
+    try:
+        monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "a"))
+        K._tune_kq6(ext)  # 3 % faster: not enough
+        assert ext.kq6_many() is True and calls == [(14, 8, ["few", "many"])]
+        few["t"] = 0.8
+        monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "b"))
+        K._tune_kq6(ext)
+        assert ext.kq6_many() is False and len(calls) == 2
+        assert K.kernel_info()["q6k_loop"].startswith("few-rows")
+        ext.set_kq6_many(True)
+        K._tune_kq6(ext)  # from the cache
+        assert ext.kq6_many() is False and len(calls) == 2
+    finally:
+        ext.set_kq6_many(before)
+
+
+def test_time_choices_times_each_choice_from_memory():
+    """The timing itself on a small last-level cache (quick calls): each choice set and timed."""
+    import draftwise.kernels as K
+
+    ext = extension()
+    before = ext.kq6_many()
+    seen = []
+    try:
+        got = K._time_choices(ext, 14, 8, {"many": lambda: seen.append(True) or ext.set_kq6_many(True),
+                                           "few": lambda: seen.append(False) or ext.set_kq6_many(False)})
+    finally:
+        ext.set_kq6_many(before)
+    assert set(got) == {"many", "few"} and all(0 < t < 10 for t in got.values())
+    assert seen[:4] == [True, False, True, False] and len(seen) == 12
+
+
 def test_time_prefetch_measures_both_levels_and_restores():
     """The timing itself on a small last-level cache (a quick call): both levels timed, the setting restored."""
     import draftwise.kernels as K

@@ -333,6 +333,10 @@ def extension():
                     _tune_prefetch(_ext)
                 except Exception as e:  # as above: prefetching into L1, as before any tuning
                     log.warning("draftwise: kernel prefetch tuning skipped (%s: %s)", type(e).__name__, e)
+                try:
+                    _tune_kq6(_ext)  # after the prefetch level: each loop is timed as the model will run it
+                except Exception as e:  # as above: Q6_K's many-rows loop, as before any tuning
+                    log.warning("draftwise: kernel Q6_K loop tuning skipped (%s: %s)", type(e).__name__, e)
     return _ext
 
 
@@ -461,31 +465,75 @@ def _last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-def _time_prefetch(ext, fmt: int) -> dict[str, float]:
-    """Seconds of a one-row call of format ``fmt`` over a matrix of 3x the last-level cache (96-256 MB of
-    codes, zero bytes: the kernel's time does not depend on the values), the best of 5 with each choice of
-    prefetch level, alternated; the format's setting is restored."""
-    import time
-
-    K = 1536  # a 1.5B model's hidden size: the tiles' length matters (Zen 4's Q4_K: L2 slower at 1536, faster at 4864)
+def _streamed_matrix(ext, fmt: int) -> tuple[torch.Tensor, int, int]:
+    """(packed codes, N, K) of a format-``fmt`` matrix of 3x the last-level cache (96-256 MB of codes, zero
+    bytes: the kernel's time does not depend on the values), so that a call streams it from memory as a model's
+    pass does. K = 1536, a 1.5B model's hidden size: the tiles' length matters (Zen 4's Q4_K: prefetched into L2
+    slower at 1536, faster at 4864)."""
+    K = 1536
     row = K // KQ_BLOCK[fmt] * _GGUF_BLOCK_BYTES[fmt]  # GGUF bytes of one weight row of K values
     want = min(max(3 * _last_level_cache_bytes(), 96 << 20), 256 << 20)
     N = max(16, want // row // 16 * 16)
-    w = ext.kq_pack(torch.zeros(N * row, dtype=torch.uint8), fmt, N, K, torch.empty(0, dtype=torch.uint8))
-    x = torch.randn(1, K, generator=torch.Generator().manual_seed(0))  # (1, K)
+    return ext.kq_pack(torch.zeros(N * row, dtype=torch.uint8), fmt, N, K, torch.empty(0, dtype=torch.uint8)), N, K
+
+
+def _time_choices(ext, fmt: int, rows: int, choices: dict) -> dict[str, float]:
+    """Seconds of a ``rows``-row call of format ``fmt`` over ``_streamed_matrix`` under each choice (name ->
+    a function that sets it), the best of 5, the choices alternated after a round that warms up (the fresh
+    codes' page faults, the threads)."""
+    import time
+
+    w, N, K = _streamed_matrix(ext, fmt)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(0))  # (rows, K)
+    best = dict.fromkeys(choices, float("inf"))
+    for rnd in range(6):
+        for name, choose in choices.items():
+            choose()
+            t0 = time.perf_counter()
+            ext.qmm_kq(x, w, fmt, N)
+            if rnd:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def _time_prefetch(ext, fmt: int) -> dict[str, float]:
+    """Seconds of a one-row call of format ``fmt`` from memory (``_time_choices``) with each prefetch
+    level; the format's setting is restored."""
     before = ext.kq_prefetch_l2(fmt)
-    best = {"l1": float("inf"), "l2": float("inf")}
     try:
-        for rnd in range(6):  # round 0 warms up (the fresh codes' page faults, the threads)
-            for level in ("l1", "l2"):
-                ext.set_kq_prefetch_l2(fmt, level == "l2")
-                t0 = time.perf_counter()
-                ext.qmm_kq(x, w, fmt, N)
-                if rnd:
-                    best[level] = min(best[level], time.perf_counter() - t0)
+        return _time_choices(ext, fmt, 1, {"l1": lambda: ext.set_kq_prefetch_l2(fmt, False),
+                                           "l2": lambda: ext.set_kq_prefetch_l2(fmt, True)})
     finally:
         ext.set_kq_prefetch_l2(fmt, before)
-    return best
+
+
+KQ6_MARGIN = 0.05  # Q6_K's few-rows loop takes the calls of several rows only when it is this much faster
+
+
+def _tune_kq6(ext) -> None:
+    """Which loop Q6_K's calls of more than 4 rows take (``dw::kq6_many``, csrc/core/kquant.h): on AVX512-VNNI
+    one that decodes each code vector once for 8 rows a pass, or the few-rows loop in passes of 4 (on AVX2 the
+    same two at 2-4 rows). Which is faster is the CPU's: the 1.5B's 8-token pass took 18 % less with the first on
+    AMD Zen 4 (22.6 -> 18.6 ms in its 29 Q6_K matrices) and 11 % more on AMD Zen 5 (37.2 -> 41.8 ms the whole
+    pass). So both are timed once on an 8-row call from memory, and the few-rows loop is taken where it is
+    ``KQ6_MARGIN`` faster. Speed only, the same bits (the selftest compares both with the reference). Cached
+    like ``_tune_multi``; ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``) keeps the many-rows loop."""
+    import json
+
+    from .gguf_quant import KQ_TYPES
+
+    cache, sig = _machine_cache(ext, "kq6", str(torch.get_num_threads()))
+    try:
+        many = bool(json.loads(cache.read_text())["many"])
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            times = _time_choices(ext, KQ_TYPES["Q6_K"], 8, {"many": lambda: ext.set_kq6_many(True),
+                                                              "few": lambda: ext.set_kq6_many(False)})
+        finally:
+            ext.set_kq6_many(True)
+        many = not times["few"] < (1 - KQ6_MARGIN) * times["many"]
+        _save_cache(cache, {"many": many, "seconds": times, "signature": sig})
+    ext.set_kq6_many(many)
 
 
 def _time_paths(ext, paths: list[str], rows: int = 8) -> dict[str, float]:
@@ -624,6 +672,7 @@ def kernel_info() -> dict:
         from .gguf_quant import KQ_TYPES
 
         info["prefetch_l2"] = [n for n, f in KQ_TYPES.items() if ext.kq_prefetch_l2(f)] or "none"
+        info["q6k_loop"] = "many-rows" if ext.kq6_many() else "few-rows (passes of 4)"
         amx = amx_info()
         info["amx"] = amx["state"] + (f": {amx['reason']}" if amx["reason"] else "")
     else:

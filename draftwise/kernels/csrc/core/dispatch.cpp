@@ -197,7 +197,12 @@ const IsaOps* path_by_name(const char* name) {
 
 namespace {
 std::atomic<uint32_t> g_kq_pf_l2{0};  // bit kq_format_bit(fmt): that format's codes are prefetched into L2
+std::atomic<bool> g_kq6_many{true};    // Q6_K's calls of more than KQ6_FEW rows take kq6_tile_many
 }  // namespace
+
+bool kq6_many() { return g_kq6_many.load(std::memory_order_relaxed); }
+
+void kq6_set_many(bool many) { g_kq6_many.store(many, std::memory_order_relaxed); }
 
 bool kq_prefetch_l2(int fmt) { return (g_kq_pf_l2.load(std::memory_order_relaxed) >> kq_format_bit(fmt)) & 1u; }
 

@@ -281,10 +281,14 @@ std::vector<float> check_every_path(const char* what, int64_t N, int64_t K, int6
                                     int npaths, const Run& run, const std::vector<float>& x,
                                     const std::vector<float>& wd, bool* ok) {
   const std::vector<float> ref = run(&dw::kScalar, x.data(), M);
-  for (int p = 0; p <= npaths; ++p) {  // every path, then the AMX path's call on emulated tiles
+  // every path, then the AMX path's call on emulated tiles; each with Q6_K's many-rows loop and without (dw::kq6_many)
+  for (int q = 0; q < 2 * (npaths + 1); ++q) {
+    const int p = q / 2;
+    const bool many = q % 2 == 0;
+    dw::kq6_set_many(many);
     const dw::IsaOps* ops = p < npaths ? dw::path_by_name(names[p]) : amx_emulated_ops();
     if (std::memcmp(run(ops, x.data(), M).data(), ref.data(), ref.size() * 4)) {
-      std::printf("MISMATCH %s N=%lld on path %s\n", what, (long long)N, ops->name);
+      std::printf("MISMATCH %s N=%lld on path %s%s\n", what, (long long)N, ops->name, many ? "" : " (Q6_K few-rows loop)");
       *ok = false;
     }
     for (int64_t m : {0, 1, 12}) {
@@ -293,13 +297,15 @@ std::vector<float> check_every_path(const char* what, int64_t N, int64_t K, int6
         *ok = false;
       }
     }
-    for (int64_t rows : {5, 6, 7}) {  // 5, 6: one pass of more rows than a longer call takes (KQ_MB1); 7: 4 + 3
+    for (int64_t rows : {5, 6, 7, 8}) {  // 5, 6: one pass of more rows than a longer call takes (KQ_MB1); 7: 4 + 3
       if (rows < M && std::memcmp(run(ops, x.data(), rows).data(), ref.data(), rows * N * 4)) {
-        std::printf("NOT BATCH-INVARIANT %s on path %s (the first %lld rows)\n", what, ops->name, (long long)rows);
+        std::printf("NOT BATCH-INVARIANT %s on path %s%s (the first %lld rows)\n", what, ops->name,
+                    many ? "" : " (Q6_K few-rows loop)", (long long)rows);
         *ok = false;
       }
     }
   }
+  dw::kq6_set_many(true);
   double err = 0, mag = 0;  // the reference against doubles: de-quantized weights times row 2
   for (int64_t n = 0; n < N; ++n) {
     double dsum = 0;
