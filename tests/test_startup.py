@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,8 +38,10 @@ def test_the_built_kernel_is_imported_directly(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     rec = {"module": ext.__file__, "torch": torch.__version__, "python": sys.version, "extensions_dir": None}
     (tmp_path / "built.json").write_text(json.dumps(rec))
+    os.utime(tmp_path / "built.json", (1e9, 1e9))
     mod = kernels._import_built()
     assert mod is not None and mod.isa() == ext.isa() and mod.available_isas() == ext.available_isas()
+    assert (tmp_path / "built.json").stat().st_mtime > time.time() - 600  # in use: kept by _prune_builds
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "fresh"))  # another build folder: build there
     assert kernels._import_built() is None
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
@@ -45,6 +50,38 @@ def test_the_built_kernel_is_imported_directly(tmp_path, monkeypatch):
         assert kernels._import_built() is None
     (tmp_path / "built.json").write_text("{not json")
     assert kernels._import_built() is None
+
+
+def test_old_kernel_builds_are_pruned_after_a_new_build(tmp_path, monkeypatch):
+    """_prune_builds: a build whose note no import touched for BUILD_KEEP_DAYS goes (its folder and note); the
+    current build, a recently imported one, and a folder the note's build name does not match stay."""
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
+    notes, exts = tmp_path / "home" / "kernels", tmp_path / "ext"
+    notes.mkdir(parents=True)
+    old = time.time() - (kernels.BUILD_KEEP_DAYS + 1) * 86400
+
+    def build(name: str, folder: str | None = None, age: float | None = None) -> Path:
+        d = exts / (folder or name)
+        d.mkdir(parents=True)
+        (d / f"{name}.so").write_bytes(b"x" * 100)
+        rec = notes / f"built-{name}.json"
+        rec.write_text(json.dumps({"module": str(d / f"{name}.so")}))
+        if age is not None:
+            os.utime(rec, (age, age))
+        return d
+
+    stale = build("draftwise_kernels_x86_64_aaaaaaaaaaaa", age=old)
+    recent = build("draftwise_kernels_x86_64_bbbbbbbbbbbb")
+    other = build("draftwise_kernels_x86_64_cccccccccccc", folder="someone_else", age=old)
+    current = build(kernels.build_name(), age=old)  # this build is never pruned
+    (notes / "built-draftwise_kernels_x86_64_dddddddddddd.json").write_text("{not json")
+    assert sorted(kernels._prune_builds()) == ["draftwise_kernels_x86_64_aaaaaaaaaaaa",
+                                               "draftwise_kernels_x86_64_cccccccccccc"]
+    assert not stale.exists() and not (notes / "built-draftwise_kernels_x86_64_aaaaaaaaaaaa.json").exists()
+    assert recent.exists() and current.exists()
+    assert other.exists()  # a folder of another name is never removed, only its stale note
+    assert not (notes / "built-draftwise_kernels_x86_64_cccccccccccc.json").exists()
+    assert kernels._prune_builds() == []
 
 
 def test_meta_layers_skip_their_random_init(monkeypatch):

@@ -270,7 +270,46 @@ def _build():
                                       "python": sys.version, "extensions_dir": settings.torch_extensions_dir()})
     except (OSError, AttributeError, TypeError) as e:  # an unwritable home: the next process builds again
         log.info("draftwise: the kernel's location was not noted (%s)", e)
+    try:
+        _prune_builds()
+    except OSError as e:
+        log.info("draftwise: old kernel builds not pruned (%s)", e)
     return ext
+
+
+BUILD_KEEP_DAYS = 30  # a build no process has imported for this long is removed when another one is built
+
+
+def _prune_builds(keep_days: float = BUILD_KEEP_DAYS) -> list[str]:
+    """Remove the kernel builds (~7 MB each, one per source change, under torch's extensions folder) that no
+    process has imported for ``keep_days``: each build's note in ``$DRAFTWISE_HOME/kernels`` is touched by every
+    import (``_import_built``), so a build another installation still uses stays. Only folders a note names, whose
+    name is the note's build (``draftwise_kernels_*``), are removed, with the note (the build's cached tunings,
+    a few hundred bytes each, stay). Runs after a new build, the only time builds accumulate. Returns the builds
+    removed."""
+    import json
+    import shutil
+    import time
+
+    folder, current = settings.home() / "kernels", _built_record().name
+    cutoff = time.time() - keep_days * 86400
+    removed = []
+    for rec in folder.glob("built-draftwise_kernels_*.json"):
+        try:
+            if rec.name == current or rec.stat().st_mtime > cutoff:
+                continue
+            name = rec.name[len("built-"):-len(".json")]
+            build = Path(json.loads(rec.read_text())["module"]).parent
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if build.name == name and build.is_dir():
+            shutil.rmtree(build, ignore_errors=True)
+        rec.unlink(missing_ok=True)
+        removed.append(name)
+    if removed:
+        log.info("draftwise: removed %d kernel build(s) unused for %d days: %s", len(removed), keep_days,
+                 ", ".join(removed))
+    return removed
 
 
 def _import_built():
@@ -293,6 +332,10 @@ def _import_built():
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         mod.isa()  # a module of the kernel's, callable
+        try:
+            os.utime(_built_record())  # in use: kept by _prune_builds
+        except OSError:
+            pass
         return mod
     except Exception as e:  # no note, a module being rebuilt, another ABI, ...: torch's builder decides
         log.debug("draftwise: no directly importable kernel build (%s: %s)", type(e).__name__, e)
