@@ -555,8 +555,8 @@ KQ6_MARGIN = 0.05  # Q6_K's few-rows loop takes the calls of several rows only w
 
 def _tune_kq6(ext) -> None:
     """Which loop Q6_K's calls of more than 4 rows take (``dw::kq6_many``, csrc/core/kquant.h): on AVX512-VNNI
-    one that decodes each code vector once for 8 rows a pass, or the few-rows loop in passes of 4 (on AVX2 the
-    same two at 2-4 rows). Which is faster is the CPU's: the 1.5B's 8-token pass took 18 % less with the first on
+    one that decodes each code vector once for 8 rows a pass, or the few-rows loop (up to 6 rows in one pass, more
+    in passes of 4; on AVX2 the same two at 2-4 rows). Which is faster is the CPU's: the 1.5B's 8-token pass took 18 % less with the first on
     AMD Zen 4 (22.6 -> 18.6 ms in its 29 Q6_K matrices) and 11 % more on AMD Zen 5 (37.2 -> 41.8 ms the whole
     pass). So both are timed once on an 8-row call from memory, and the few-rows loop is taken where it is
     ``KQ6_MARGIN`` faster. Speed only, the same bits (the selftest compares both with the reference). Cached
@@ -715,7 +715,7 @@ def kernel_info() -> dict:
         from .gguf_quant import KQ_TYPES
 
         info["prefetch_l2"] = [n for n, f in KQ_TYPES.items() if ext.kq_prefetch_l2(f)] or "none"
-        info["q6k_loop"] = "many-rows" if ext.kq6_many() else "few-rows (passes of 4)"
+        info["q6k_loop"] = "many-rows" if ext.kq6_many() else "few-rows"
         amx = amx_info()
         info["amx"] = amx["state"] + (f": {amx['reason']}" if amx["reason"] else "")
     else:

@@ -432,8 +432,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_kq_prefetch_l2", [](int64_t fmt, bool l2) { kq_check_format("set_kq_prefetch_l2", fmt, 256); dw::kq_set_prefetch_l2((int)fmt, l2); },
         "prefetch this format's codes into L2 (true) or L1 (false): speed only, the same bits");
   m.def("kq6_many", &dw::kq6_many, "whether Q6_K's calls of several rows take the many-rows loop (else the few-rows one)");
-  m.def("set_kq6_many", &dw::kq6_set_many, "Q6_K's calls of several rows: the many-rows loop (true) or passes of 4 rows "
-        "of the few-rows one (false): speed only, the same bits");
+  m.def("set_kq6_many", &dw::kq6_set_many, "Q6_K's calls of several rows: the many-rows loop (true) or the few-rows one "
+        "(false): speed only, the same bits");
   m.def("amx_status", &amx_status, "(state, reason) of the AMX path");
   m.def("amx_verify", &amx_verify, "the AMX tile kernel against the reference in a forked child: (identical, reason)");
   m.def("amx_set_verdict", [](bool ok, const std::string& reason) { dw::amx_set_verdict(ok, reason); },

@@ -99,9 +99,9 @@ inline int kq_format_bit(int fmt) {
 bool kq_prefetch_l2(int fmt);
 void kq_set_prefetch_l2(int fmt, bool l2);
 // Which loop Q6_K's calls of several rows take where the path has two (kquant_tiles.inc): kq6_tile_many (passes of
-// KQ6_MB rows, each decoded code vector feeding them all; the default) or kq6_tile_few in passes of 4 rows. Speed
-// only, the same bits. AMD Zen 4 ran the 1.5B's 8-row pass 18 % faster with the first, AMD Zen 5 11 % faster with the
-// second: set per machine from a measurement (kernels._tune_kq6).
+// KQ6_MB rows, each decoded code vector feeding them all; the default) or kq6_tile_few (up to KQ6_FEW1 rows in one
+// pass, more in passes of 4). Speed only, the same bits. AMD Zen 4 ran the 1.5B's 8-row pass 18 % faster with the
+// first, AMD Zen 5 11 % faster with the second: set per machine from a measurement (kernels._tune_kq6).
 bool kq6_many();
 void kq6_set_many(bool many);
 inline int64_t kq_block_values(int fmt) { return kq_is_block(fmt) ? KB : QK; }

@@ -297,7 +297,7 @@ std::vector<float> check_every_path(const char* what, int64_t N, int64_t K, int6
         *ok = false;
       }
     }
-    for (int64_t rows : {5, 6, 7, 8}) {  // 5, 6: one pass of more rows than a longer call takes (KQ_MB1); 7: 4 + 3
+    for (int64_t rows : {5, 6, 7, 8}) {  // 5, 6: one pass of more rows than a longer call takes (KQ_MB1, KQ6_FEW1); 7: 4 + 3; 8
       if (rows < M && std::memcmp(run(ops, x.data(), rows).data(), ref.data(), rows * N * 4)) {
         std::printf("NOT BATCH-INVARIANT %s on path %s%s (the first %lld rows)\n", what, ops->name,
                     many ? "" : " (Q6_K few-rows loop)", (long long)rows);
