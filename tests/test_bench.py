@@ -177,9 +177,15 @@ def test_weight_bytes_count_linears_and_head_not_embedding():
     assert rf["ar_percent_of_bound"] == pytest.approx(100 / rf["max_tokens_per_s"])
 
 
-def test_measure_bandwidth_is_positive():
+def test_measure_bandwidth_is_the_fastest_stream():
+    """Both read streams are timed (torch's sum; the kernel's one-row matmul where it is built) and the bound is
+    the faster one, named."""
+    from draftwise.kernels import extension
+
     bw = measure_bandwidth(gib=0.0625, repeats=2)
     assert bw["bytes"] == 64 << 20 and bw["gb_per_s"] > 0
+    assert len(bw["readings"]) == (2 if extension() is not None else 1)
+    assert bw["gb_per_s"] == max(bw["readings"].values()) and bw["method"] in bw["readings"]
 
 
 # ---- end to end ---------------------------------------------------------------------------------------
