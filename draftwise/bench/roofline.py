@@ -86,16 +86,15 @@ def measure_bandwidth(gib: float = 0.5, repeats: int = 5, dtype: torch.dtype = t
 def _kernel_stream(total: int):
     """A call that reads ``total`` bytes of Q4_K codes (64 MiB matrices, K = 4096) through the kernel's one-row
     matmul, or None where the kernel is not built."""
-    from ..kernels import extension
+    from ..kernels import extension, zero_matrix
+    from ..kernels.gguf_quant import KQ_TYPES
 
     ext = extension()
     if ext is None:
         return None
-    fmt, K = 12, 4096  # Q4_K: 144 bytes per 256 values
-    row = K // 256 * 144
-    N = max(16, (64 << 20) // row // 16 * 16)
-    ws = [ext.kq_pack(torch.zeros(N * row, dtype=torch.uint8), fmt, N, K, torch.empty(0, dtype=torch.uint8))
-          for _ in range(max(1, total // (N * row)))]
+    fmt, K = KQ_TYPES["Q4_K"], 4096
+    w, N, size = zero_matrix(ext, fmt, K, 64 << 20)
+    ws = [w] + [zero_matrix(ext, fmt, K, 64 << 20)[0] for _ in range(max(1, total // size) - 1)]
     x = torch.randn(1, K)  # (1, K)
     return lambda: [ext.qmm_kq(x, w, fmt, N) for w in ws]
 

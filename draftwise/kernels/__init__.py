@@ -508,16 +508,23 @@ def _last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
+def zero_matrix(ext, fmt: int, K: int, nbytes: int) -> tuple[torch.Tensor, int, int]:
+    """(packed codes, N, GGUF bytes) of an all-zero format-``fmt`` matrix of K values a row and about ``nbytes`` of
+    GGUF codes (N a multiple of 16, at least 16): for timing, where the kernel's time does not depend on the values
+    (``_streamed_matrix``; the benchmark's roofline stream)."""
+    row = K // KQ_BLOCK[fmt] * _GGUF_BLOCK_BYTES[fmt]  # GGUF bytes of one weight row of K values
+    N = max(16, nbytes // row // 16 * 16)
+    return ext.kq_pack(torch.zeros(N * row, dtype=torch.uint8), fmt, N, K, torch.empty(0, dtype=torch.uint8)), N, N * row
+
+
 def _streamed_matrix(ext, fmt: int) -> tuple[torch.Tensor, int, int]:
     """(packed codes, N, K) of a format-``fmt`` matrix of 3x the last-level cache (96-256 MB of codes, zero
     bytes: the kernel's time does not depend on the values), so that a call streams it from memory as a model's
     pass does. K = 1536, a 1.5B model's hidden size: the tiles' length matters (Zen 4's Q4_K: prefetched into L2
     slower at 1536, faster at 4864)."""
     K = 1536
-    row = K // KQ_BLOCK[fmt] * _GGUF_BLOCK_BYTES[fmt]  # GGUF bytes of one weight row of K values
-    want = min(max(3 * _last_level_cache_bytes(), 96 << 20), 256 << 20)
-    N = max(16, want // row // 16 * 16)
-    return ext.kq_pack(torch.zeros(N * row, dtype=torch.uint8), fmt, N, K, torch.empty(0, dtype=torch.uint8)), N, K
+    w, N, _ = zero_matrix(ext, fmt, K, min(max(3 * _last_level_cache_bytes(), 96 << 20), 256 << 20))
+    return w, N, K
 
 
 def _time_choices(ext, fmt: int, rows: int, choices: dict) -> dict[str, float]:
