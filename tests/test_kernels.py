@@ -238,6 +238,32 @@ def test_kernel_builds_here():
     assert isa() in available_isas() and isa() != "none"
 
 
+# the kernel's feature names (csrc/arch/x86/cpu_features.h) -> Linux's /proc/cpuinfo flags
+_LINUX_FLAGS = {"sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "avxvnni": "avx_vnni",
+                "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512dq": "avx512dq", "avx512vl": "avx512vl",
+                "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "amx-int8": "amx_int8",
+                "amx-bf16": "amx_bf16"}
+
+
+def test_cpu_features_agree_with_linux():
+    """The kernel reads cpuid and XCR0 itself (the same on GCC and clang, whose __builtin_cpu_supports know
+    different names); Linux lists a feature only where the CPU has it and the OS enabled its registers: the two
+    must agree on every name the kernel reports."""
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
+        pytest.skip("x86-64 Linux only")
+    flags = set()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    have = set(extension().cpu_features().split())
+    for name, flag in _LINUX_FLAGS.items():
+        assert (name in have) == (flag in flags), f"{name}: kernel says {name in have}, /proc/cpuinfo {flag in flags}"
+
+
 def test_best_path_is_chosen_by_default():
     """Without DRAFTWISE_ISA the widest path the CPU supports runs (amx only once verified; the scalar path
     only on CPUs with no SIMD path compiled in)."""

@@ -1,4 +1,4 @@
-// Which path runs: the paths of core/paths.def, what the CPU supports (cpuid on x86 through the compiler's __builtin_cpu_supports,
+// Which path runs: the paths of core/paths.def, what the CPU supports (cpuid on x86, arch/x86/cpu_features.h,
 // which also checks that the OS saves the wide registers; getauxval on Linux/ARM), intersected with what
 // was compiled in. The chosen path can be changed at run time (set_active: DRAFTWISE_ISA, applied from
 // Python, or tests running every path the CPU has, a lower path on a bigger CPU).
@@ -8,6 +8,7 @@
 #include <string>
 
 #include "arch/x86/amx.h"  // amx_usable
+#include "arch/x86/cpu_features.h"  // cpu_has
 #include "core/kquant.h"  // kq_format_bit
 #include "core/qmm.h"
 
@@ -26,19 +27,12 @@ namespace {
 bool always() { return true; }
 bool never() { return false; }
 #if defined(__x86_64__) || defined(_M_X64)
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }
-bool has_avxvnni() {
-#if defined(__clang__) || __GNUC__ >= 11
-  return has_avx2() && __builtin_cpu_supports("avxvnni");
-#else
-  return false;
-#endif
-}
+bool has_avx2() { return cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c"); }
+bool has_avxvnni() { return has_avx2() && cpu_has("avxvnni"); }
 bool has_avx512() {
-  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has_avx2() && cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512dq") && cpu_has("avx512vl");
 }
-bool has_avx512vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
+bool has_avx512vnni() { return has_avx512() && cpu_has("avx512vnni"); }
 // cpuid, XCR0, Linux's permission for the tile data, and the forked bit-for-bit check (arch/x86/amx.h)
 bool has_amx() { return has_avx512vnni() && amx_usable(); }
 #elif defined(__aarch64__)
@@ -132,25 +126,8 @@ const char* cpu_features() {
 #if defined(__x86_64__) || defined(_M_X64)
     const char* names[] = {"sse4.2", "avx", "avx2", "fma", "f16c", "avxvnni", "avx512f", "avx512bw", "avx512dq",
                            "avx512vl", "avx512vnni", "avx512bf16", "amx-int8", "amx-bf16"};
-    __builtin_cpu_init();
     for (const char* n : names) {
-      bool has = false;
-      if (!std::strcmp(n, "sse4.2")) has = __builtin_cpu_supports("sse4.2");
-      else if (!std::strcmp(n, "avx")) has = __builtin_cpu_supports("avx");
-      else if (!std::strcmp(n, "avx2")) has = __builtin_cpu_supports("avx2");
-      else if (!std::strcmp(n, "fma")) has = __builtin_cpu_supports("fma");
-      else if (!std::strcmp(n, "f16c")) has = __builtin_cpu_supports("f16c");
-      else if (!std::strcmp(n, "avxvnni")) has = has_avxvnni();
-      else if (!std::strcmp(n, "avx512f")) has = __builtin_cpu_supports("avx512f");
-      else if (!std::strcmp(n, "avx512bw")) has = __builtin_cpu_supports("avx512bw");
-      else if (!std::strcmp(n, "avx512dq")) has = __builtin_cpu_supports("avx512dq");
-      else if (!std::strcmp(n, "avx512vl")) has = __builtin_cpu_supports("avx512vl");
-      else if (!std::strcmp(n, "avx512vnni")) has = __builtin_cpu_supports("avx512vnni");
-#if defined(__clang__) || __GNUC__ >= 12
-      else if (!std::strcmp(n, "avx512bf16")) has = __builtin_cpu_supports("avx512bf16");
-      else if (!std::strcmp(n, "amx-int8")) has = __builtin_cpu_supports("amx-int8");
-      else if (!std::strcmp(n, "amx-bf16")) has = __builtin_cpu_supports("amx-bf16");
-#endif
+      const bool has = cpu_has(n);
       if (has) r += std::string(r.empty() ? "" : " ") + n;
     }
 #elif defined(__aarch64__)

@@ -1,6 +1,7 @@
 // The AMX path (amx.h): the tile kernel (kquant_amx.inc) on the hardware and on the emulated tiles, the
 // detection (cpuid, XCR0, Linux's permission) and the bit-for-bit check in a forked child.
 #include "arch/x86/amx.h"
+#include "arch/x86/cpu_features.h"
 
 #include <cmath>
 #include <algorithm>
@@ -158,19 +159,11 @@ Detected detect() {
   } else {
     missing = " amx-tile amx-int8";
   }
-  __builtin_cpu_init();
-  // (__builtin_cpu_supports also checks that the OS saves the zmm registers; it takes literals only)
-  if (!__builtin_cpu_supports("avx512f")) missing += " avx512f";
-  if (!__builtin_cpu_supports("avx512bw")) missing += " avx512bw";
-  if (!__builtin_cpu_supports("avx512dq")) missing += " avx512dq";
-  if (!__builtin_cpu_supports("avx512vl")) missing += " avx512vl";
-  if (!__builtin_cpu_supports("avx512vnni")) missing += " avx512vnni";
+  // (cpu_has also checks that the OS saves the zmm registers)
+  for (const char* f : {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vnni"})
+    if (!cpu_has(f)) missing += std::string(" ") + f;
   if (!missing.empty()) return {AmxState::kNoCpu, "this CPU lacks" + missing + " (cpuid)"};
-  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
-  uint32_t lo = 0, hi = 0;
-  if (__get_cpuid(1, &a1, &b1, &c1, &d1) && (c1 & (1u << 27)))  // OSXSAVE: xgetbv is there
-    __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & (3u << 17)) != (3u << 17))
+  if ((cpu_xcr0() & (3ull << 17)) != (3ull << 17))
     return {AmxState::kNoCpu, "the OS has not enabled the AMX tile state (XCR0 bits 17-18)"};
 #if defined(__linux__)
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
