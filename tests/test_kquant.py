@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import draftwise.kernels as K_
 from draftwise.kernels import KQ_BITS, QLinear, available_isas, dequantize, extension, quantize_activations, using_isa
 from draftwise.kernels.gguf_quant import kq_format, parse, repack
 from tests.conftest import TINY, TINY_QWEN
@@ -376,77 +377,104 @@ def test_prefetch_tuning_takes_l2_only_where_measured_faster(tmp_path, monkeypat
             ext.set_kq_prefetch_l2(f, v)
 
 
-def test_q6k_loop_changes_no_bit():
+@pytest.mark.parametrize("K", [768, 4352])  # rows of both shape classes (kquant.h kKq6LongK: 4096)
+def test_q6k_loop_changes_no_bit(K):
     """Q6_K's two loops for calls of several rows (kernels._tune_kq6: the many-rows one, or the few-rows one in
-    passes of 4) give the same bits on every path and at every row count, one pass or several, and a partial tile."""
-    N, K = 40, 768
+    passes of 4), and any mix of them over the call shapes, give the same bits on every path and at every row count,
+    one pass or several, and a partial tile."""
+    N = 40
     raw = torch.from_numpy(random_blocks("Q6_K", N, K, seed=11).reshape(-1).copy())
     ext = extension()
     w = ext.kq_pack(raw, 14, N, K, torch.empty(0, dtype=torch.uint8))
-    before = ext.kq6_many()
+    before = ext.kq6_many_mask()
     try:
-        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 17):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17):
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))  # (rows, K)
             outs = []
-            for many in (True, False):
-                ext.set_kq6_many(many)
-                assert ext.kq6_many() is many
+            for mask in (K_.KQ6_ALL_MANY, 0, 0b010101, 0b101010):
+                ext.set_kq6_many_mask(mask)
+                assert ext.kq6_many_mask() == mask and ext.kq6_many() is (mask == K_.KQ6_ALL_MANY)
                 for isa in available_isas():
                     with using_isa(isa):
                         outs.append(ext.qmm_kq(x, w, 14, N))
             assert all(torch.equal(o, outs[0]) for o in outs), rows
             assert torch.equal(ext.qmm_kq(x[-1:], w, 14, N), outs[0][-1:])  # a row alone: the same bits
     finally:
-        ext.set_kq6_many(before)
+        ext.set_kq6_many_mask(before)
+
+
+def test_q6k_loop_mask_is_checked():
+    ext = extension()
+    before = ext.kq6_many_mask()
+    try:
+        for bad in (-1, K_.KQ6_ALL_MANY + 1):
+            with pytest.raises(RuntimeError, match="mask of 6 bits"):
+                ext.set_kq6_many_mask(bad)
+        ext.set_kq6_many(False)
+        assert ext.kq6_many_mask() == 0 and K_.kernel_info()["q6k_loop"] == "few-rows"
+        ext.set_kq6_many(True)
+        assert ext.kq6_many_mask() == K_.KQ6_ALL_MANY and K_.kernel_info()["q6k_loop"] == "many-rows"
+    finally:
+        ext.set_kq6_many_mask(before)
 
 
 def test_q6k_loop_tuning_takes_few_rows_only_where_measured_faster(tmp_path, monkeypatch):
-    """_tune_kq6: the few-rows loop only when it timed KQ6_MARGIN faster at 8 rows; the verdict cached per build
-    and CPU, applied from the cache by the next process (no timing then), and shown by kernel_info."""
+    """_tune_kq6: the few-rows loop only for the call shapes where it timed KQ6_MARGIN faster (each shape of
+    KQ6_SHAPES timed; the long rows as a model's matrices of 1536 outputs); the verdict cached per build and CPU,
+    applied from the cache by the next process (no timing then), and shown by kernel_info."""
     import draftwise.kernels as K
 
     ext = extension()
-    before = ext.kq6_many()
+    before = ext.kq6_many_mask()
     calls = []
-    few = {"t": 0.97}
+    few = {"t": 0.97, "faster": set()}  # the few-rows loop's time against 1.0; the shapes where it is 0.8
 
-    def fake(ext_, fmt, rows, choices):
-        calls.append((fmt, rows, sorted(choices)))
+    def fake(ext_, fmt, rows, choices, K=1536, N=None):
+        calls.append((fmt, rows, K, N, sorted(choices)))
         for choose in choices.values():  # the choices set the kernel's loop
             choose()
-        return {"many": 1.0, "few": few["t"]}
+        return {"many": 1.0, "few": 0.8 if (rows, K) in few["faster"] else few["t"]}
 
     monkeypatch.setattr(K, "_time_choices", fake)
     try:
         monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "a"))
         K._tune_kq6(ext)  # 3 % faster: not enough
-        assert ext.kq6_many() is True and calls == [(14, 8, ["few", "many"])]
+        assert ext.kq6_many() is True and ext.kq6_many_mask() == K.KQ6_ALL_MANY
+        assert calls == [(14, r, k, None if k <= K.KQ6_LONG_K else 1536, ["few", "many"]) for r, k in K.KQ6_SHAPES]
         few["t"] = 0.8
         monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "b"))
         K._tune_kq6(ext)
-        assert ext.kq6_many() is False and len(calls) == 2
-        assert K.kernel_info()["q6k_loop"].startswith("few-rows")
+        assert ext.kq6_many_mask() == 0 and len(calls) == 12
+        assert K.kernel_info()["q6k_loop"] == "few-rows"
         ext.set_kq6_many(True)
         K._tune_kq6(ext)  # from the cache
-        assert ext.kq6_many() is False and len(calls) == 2
+        assert ext.kq6_many_mask() == 0 and len(calls) == 12
+        few["t"], few["faster"] = 1.0, {(6, 1536), (8, 1536)}  # as AMD Zen 5: the head's shape up to 8 rows
+        monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "c"))
+        K._tune_kq6(ext)
+        assert ext.kq6_many_mask() == 0b111010
+        assert K.kernel_info()["q6k_loop"] == "few-rows at <=6 rows, K<=4096; 7-8 rows, K<=4096, many-rows elsewhere"
     finally:
-        ext.set_kq6_many(before)
+        ext.set_kq6_many_mask(before)
 
 
 def test_time_choices_times_each_choice_from_memory():
-    """The timing itself on a small last-level cache (quick calls): each choice set and timed."""
+    """The timing itself on a small last-level cache (quick calls): each choice set and timed; with N, the matrix
+    as matrices of N outputs, each called in turn."""
     import draftwise.kernels as K
 
     ext = extension()
-    before = ext.kq6_many()
+    before = ext.kq6_many_mask()
     seen = []
     try:
         got = K._time_choices(ext, 14, 8, {"many": lambda: seen.append(True) or ext.set_kq6_many(True),
                                            "few": lambda: seen.append(False) or ext.set_kq6_many(False)})
+        split = K._time_choices(ext, 14, 2, {"one": lambda: None}, 8960, 1536)
     finally:
-        ext.set_kq6_many(before)
+        ext.set_kq6_many_mask(before)
     assert set(got) == {"many", "few"} and all(0 < t < 10 for t in got.values())
     assert seen[:4] == [True, False, True, False] and len(seen) == 12
+    assert set(split) == {"one"} and 0 < split["one"] < 10
 
 
 def test_time_prefetch_measures_both_levels_and_restores():

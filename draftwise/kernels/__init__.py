@@ -517,30 +517,35 @@ def zero_matrix(ext, fmt: int, K: int, nbytes: int) -> tuple[torch.Tensor, int, 
     return ext.kq_pack(torch.zeros(N * row, dtype=torch.uint8), fmt, N, K, torch.empty(0, dtype=torch.uint8)), N, N * row
 
 
-def _streamed_matrix(ext, fmt: int) -> tuple[torch.Tensor, int, int]:
+def _streamed_matrix(ext, fmt: int, K: int = 1536) -> tuple[torch.Tensor, int, int]:
     """(packed codes, N, K) of a format-``fmt`` matrix of 3x the last-level cache (96-256 MB of codes, zero
     bytes: the kernel's time does not depend on the values), so that a call streams it from memory as a model's
-    pass does. K = 1536, a 1.5B model's hidden size: the tiles' length matters (Zen 4's Q4_K: prefetched into L2
-    slower at 1536, faster at 4864)."""
-    K = 1536
+    pass does. K = 1536 by default, a 1.5B model's hidden size: the tiles' length matters (Zen 4's Q4_K: prefetched
+    into L2 slower at 1536, faster at 4864)."""
     w, N, _ = zero_matrix(ext, fmt, K, min(max(3 * _last_level_cache_bytes(), 96 << 20), 256 << 20))
     return w, N, K
 
 
-def _time_choices(ext, fmt: int, rows: int, choices: dict) -> dict[str, float]:
-    """Seconds of a ``rows``-row call of format ``fmt`` over ``_streamed_matrix`` under each choice (name ->
-    a function that sets it), the best of 5, the choices alternated after a round that warms up (the fresh
-    codes' page faults, the threads)."""
+def _time_choices(ext, fmt: int, rows: int, choices: dict, K: int = 1536, N: int | None = None) -> dict[str, float]:
+    """Seconds of a ``rows``-row call of format ``fmt`` over ``_streamed_matrix`` (rows of ``K`` values) under each
+    choice (name -> a function that sets it), the best of 5, the choices alternated after a round that warms up (the
+    fresh codes' page faults, the threads). With ``N``, the same bytes as a model holds them: matrices of N outputs,
+    one call over each in turn (as a 1.5B's ffn_down, N = 1536: 11 MB a call)."""
     import time
 
-    w, N, K = _streamed_matrix(ext, fmt)
+    w, Nw, K = _streamed_matrix(ext, fmt, K)
+    parts = [(w, Nw)]
+    if N is not None and N < Nw:
+        size = N // 16 * (w.numel() // (Nw // 16))  # bytes of N outputs: N / 16 tiles of 16 columns
+        parts = [(w[i * size:(i + 1) * size], N) for i in range(w.numel() // size)]
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(0))  # (rows, K)
     best = dict.fromkeys(choices, float("inf"))
     for rnd in range(6):
         for name, choose in choices.items():
             choose()
             t0 = time.perf_counter()
-            ext.qmm_kq(x, w, fmt, N)
+            for part, n in parts:
+                ext.qmm_kq(x, part, fmt, n)
             if rnd:
                 best[name] = min(best[name], time.perf_counter() - t0)
     return best
@@ -557,16 +562,35 @@ def _time_prefetch(ext, fmt: int) -> dict[str, float]:
         ext.set_kq_prefetch_l2(fmt, before)
 
 
-KQ6_MARGIN = 0.05  # Q6_K's few-rows loop takes the calls of several rows only when it is this much faster
+KQ6_MARGIN = 0.05  # Q6_K's few-rows loop takes a call shape's calls only when it is this much faster there
+# the call shapes timed for Q6_K's loop, one per bit of dw::kq6_shape (csrc/core/kquant.h): (rows, K) -> its name
+KQ6_SHAPES = {(6, 1536): "<=6 rows, K<=4096", (6, 8960): "<=6 rows, K>4096", (8, 1536): "7-8 rows, K<=4096",
+              (8, 8960): "7-8 rows, K>4096", (16, 1536): ">8 rows, K<=4096", (16, 8960): ">8 rows, K>4096"}
+KQ6_ALL_MANY = (1 << len(KQ6_SHAPES)) - 1  # dw::kKq6AllMany
+KQ6_LONG_K = 4096  # dw::kKq6LongK: longer rows are the other shape class
+
+
+def _kq6_loop_name(mask: int) -> str:
+    """kernel_info's ``q6k_loop``: the loop every shape takes, or the few-rows loop's shapes and the rest."""
+    if mask == KQ6_ALL_MANY:
+        return "many-rows"
+    if mask == 0:
+        return "few-rows"
+    few = [name for bit, name in enumerate(KQ6_SHAPES.values()) if not mask >> bit & 1]
+    return "few-rows at " + "; ".join(few) + ", many-rows elsewhere"
 
 
 def _tune_kq6(ext) -> None:
-    """Which loop Q6_K's calls of more than 4 rows take (``dw::kq6_many``, csrc/core/kquant.h): on AVX512-VNNI
-    one that decodes each code vector once for 8 rows a pass, or the few-rows loop (up to 6 rows in one pass, more
-    in passes of 4; on AVX2 the same two at 2-4 rows). Which is faster is the CPU's: the 1.5B's 8-token pass took 18 % less with the first on
-    AMD Zen 4 (22.6 -> 18.6 ms in its 29 Q6_K matrices) and 11 % more on AMD Zen 5 (37.2 -> 41.8 ms the whole
-    pass). So both are timed once on an 8-row call from memory, and the few-rows loop is taken where it is
-    ``KQ6_MARGIN`` faster. Speed only, the same bits (the selftest compares both with the reference). Cached
+    """Which loop Q6_K's calls of more than 4 rows take (``dw::kq6_many_at``, csrc/core/kquant.h), per call shape: on
+    AVX512-VNNI one that decodes each code vector once for 8 rows a pass, or the few-rows loop (up to 6 rows in one
+    pass, more in passes of 4; on AVX2 the same two at 2-4 rows). Which is faster is the CPU's and the shape's: the
+    1.5B's 8-token pass took 18 % less with the first on AMD Zen 4 (22.6 -> 18.6 ms in its 29 Q6_K matrices); on AMD
+    Zen 5 (since the dot products read their activation bytes themselves) the second ran every call of 6 rows 6-11 %
+    faster and the output head (K = 1536) at 8 rows 11 %, the first ffn_down (K = 8960, whose tiles the few-rows
+    loop re-reads from L2) at 8 rows 13 % and the head at 16-32 rows 5-7 % (ffn_down there about even). So both loops
+    are timed once from memory on each shape of ``KQ6_SHAPES`` (6, 8 and 16 rows of 1536 values, one matrix as the
+    output head; of 8960, matrices of 1536 outputs as ffn_down; ~0.6 s), and the few-rows loop takes a shape where
+    it is ``KQ6_MARGIN`` faster. Speed only, the same bits (the selftest compares both with the reference). Cached
     like ``_tune_multi``; ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``) keeps the many-rows loop."""
     import json
 
@@ -574,16 +598,21 @@ def _tune_kq6(ext) -> None:
 
     cache, sig = _machine_cache(ext, "kq6", str(torch.get_num_threads()))
     try:
-        many = bool(json.loads(cache.read_text())["many"])
+        mask = int(json.loads(cache.read_text())["mask"])
     except (OSError, ValueError, KeyError, TypeError):
+        mask, seconds = 0, {}
         try:
-            times = _time_choices(ext, KQ_TYPES["Q6_K"], 8, {"many": lambda: ext.set_kq6_many(True),
-                                                              "few": lambda: ext.set_kq6_many(False)})
+            for bit, ((rows, K), name) in enumerate(KQ6_SHAPES.items()):
+                times = _time_choices(ext, KQ_TYPES["Q6_K"], rows, {"many": lambda: ext.set_kq6_many(True),
+                                                                     "few": lambda: ext.set_kq6_many(False)},
+                                      K, None if K <= KQ6_LONG_K else 1536)  # long rows: as the 1.5B's ffn_down
+                seconds[name] = times
+                if not times["few"] < (1 - KQ6_MARGIN) * times["many"]:
+                    mask |= 1 << bit
         finally:
             ext.set_kq6_many(True)
-        many = not times["few"] < (1 - KQ6_MARGIN) * times["many"]
-        _save_cache(cache, {"many": many, "seconds": times, "signature": sig})
-    ext.set_kq6_many(many)
+        _save_cache(cache, {"mask": mask, "loops": _kq6_loop_name(mask), "seconds": seconds, "signature": sig})
+    ext.set_kq6_many_mask(mask)
 
 
 def _time_paths(ext, paths: list[str], rows: int = 8) -> dict[str, float]:
@@ -722,7 +751,7 @@ def kernel_info() -> dict:
         from .gguf_quant import KQ_TYPES
 
         info["prefetch_l2"] = [n for n, f in KQ_TYPES.items() if ext.kq_prefetch_l2(f)] or "none"
-        info["q6k_loop"] = "many-rows" if ext.kq6_many() else "few-rows"
+        info["q6k_loop"] = _kq6_loop_name(ext.kq6_many_mask())
         amx = amx_info()
         info["amx"] = amx["state"] + (f": {amx['reason']}" if amx["reason"] else "")
     else:

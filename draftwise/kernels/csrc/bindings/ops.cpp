@@ -434,6 +434,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kq6_many", &dw::kq6_many, "whether Q6_K's calls of several rows take the many-rows loop (else the few-rows one)");
   m.def("set_kq6_many", &dw::kq6_set_many, "Q6_K's calls of several rows: the many-rows loop (true) or the few-rows one "
         "(false): speed only, the same bits");
+  m.def("kq6_many_mask", &dw::kq6_many_mask, "the Q6_K call shapes that take the many-rows loop (bit 2 r + l: rows up to "
+        "6 / 7-8 / more for r = 0 / 1 / 2, K > 4096 for l = 1)");
+  m.def("set_kq6_many_mask", [](int64_t mask) {
+          TORCH_CHECK(mask >= 0 && mask <= (int64_t)dw::kKq6AllMany, "set_kq6_many_mask: a mask of 6 bits, got ", mask);
+          dw::kq6_set_many_mask((uint32_t)mask);
+        }, "the Q6_K call shapes that take the many-rows loop (kq6_many_mask's bits): speed only, the same bits");
   m.def("amx_status", &amx_status, "(state, reason) of the AMX path");
   m.def("amx_verify", &amx_verify, "the AMX tile kernel against the reference in a forked child: (identical, reason)");
   m.def("amx_set_verdict", [](bool ok, const std::string& reason) { dw::amx_set_verdict(ok, reason); },

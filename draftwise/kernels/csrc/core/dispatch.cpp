@@ -174,12 +174,16 @@ const IsaOps* path_by_name(const char* name) {
 
 namespace {
 std::atomic<uint32_t> g_kq_pf_l2{0};  // bit kq_format_bit(fmt): that format's codes are prefetched into L2
-std::atomic<bool> g_kq6_many{true};    // Q6_K's calls of more than KQ6_FEW rows take kq6_tile_many
+std::atomic<uint32_t> g_kq6_many{kKq6AllMany};  // bit kq6_shape(M, K): those Q6_K calls take kq6_tile_many
 }  // namespace
 
-bool kq6_many() { return g_kq6_many.load(std::memory_order_relaxed); }
+uint32_t kq6_many_mask() { return g_kq6_many.load(std::memory_order_relaxed); }
 
-void kq6_set_many(bool many) { g_kq6_many.store(many, std::memory_order_relaxed); }
+void kq6_set_many_mask(uint32_t mask) { g_kq6_many.store(mask & kKq6AllMany, std::memory_order_relaxed); }
+
+bool kq6_many() { return kq6_many_mask() == kKq6AllMany; }
+
+void kq6_set_many(bool many) { kq6_set_many_mask(many ? kKq6AllMany : 0); }
 
 bool kq_prefetch_l2(int fmt) { return (g_kq_pf_l2.load(std::memory_order_relaxed) >> kq_format_bit(fmt)) & 1u; }
 
