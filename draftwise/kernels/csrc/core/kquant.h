@@ -101,13 +101,13 @@ void kq_set_prefetch_l2(int fmt, bool l2);
 // Which loop Q6_K's calls of several rows take where the path has two (kquant_tiles.inc): kq6_tile_many (passes of
 // KQ6_MB rows, each decoded code vector feeding them all; the default) or kq6_tile_few (up to KQ6_FEW1 rows in one
 // pass, more in passes of 4). Speed only, the same bits. AMD Zen 4 ran the 1.5B's 8-row pass 18 % faster with the
-// first, AMD Zen 5 11 % faster with the second: set per machine from a measurement (kernels._tune_kq6).
+// first, AMD Zen 5 11 % faster with the second (2026-11-29): set per machine from a measurement (kernels._tune_kq6).
 // Since the dot products read their activation bytes themselves (2026-11-29), AMD Zen 5 runs the 1.5B's calls
-// fastest with neither loop alone: the few-rows loop for every call of up to 6 rows (its one pass) and for the output
-// head (K = 1536) at 7-8 rows, the many-rows loop for ffn_down (K = 8960, tiles of 119 KB, which the few-rows loop's
-// passes of 4 re-read from L2) at 7-8 rows and for the head at 9+. So the choice is per call shape, one bit each of
-// kq6_shape (rows up to 6, 7-8, more; K up to kKq6LongK or more), timed per machine (kernels._tune_kq6); kq6_many /
-// kq6_set_many: every shape the one loop.
+// fastest with neither loop alone: the few-rows loop ran 6-row calls 6-11 % faster (its one pass) and the output head
+// (K = 1536) at 7-8 rows 11 %, the many-rows loop ffn_down (K = 8960, tiles of 119 KB, which the few-rows loop's
+// passes of 4 re-read from L2) at 7-8 rows 13 % and the head at 16-32 rows 5-7 %. So the choice is per call shape,
+// one bit each of kq6_shape (rows up to 6, 7-8, more; K up to kKq6LongK or more), timed per machine
+// (kernels._tune_kq6); kq6_many / kq6_set_many: every shape the one loop.
 constexpr int64_t kKq6LongK = 4096;      // longer rows: a tile's super-blocks (K / 256 x 3392 bytes) pass 54 KB
 constexpr uint32_t kKq6AllMany = 0x3F;   // every shape: the many-rows loop (the default where untimed)
 inline int kq6_shape(int64_t M, int64_t K) { return 2 * (M <= 6 ? 0 : M <= 8 ? 1 : 2) + (K > kKq6LongK ? 1 : 0); }
