@@ -429,7 +429,8 @@ def test_q6k_loop_tuning_takes_few_rows_only_where_measured_faster(tmp_path, mon
     calls = []
     few = {"t": 0.97, "faster": set()}  # the few-rows loop's time against 1.0; the shapes where it is 0.8
 
-    def fake(ext_, fmt, rows, choices, K=1536, N=None):
+    def fake(ext_, fmt, rows, choices, K=1536, N=None, matrix=None):
+        assert matrix is not None and matrix[2] == K  # each K's matrix packed once, by _tune_kq6
         calls.append((fmt, rows, K, N, sorted(choices)))
         for choose in choices.values():  # the choices set the kernel's loop
             choose()
@@ -440,7 +441,8 @@ def test_q6k_loop_tuning_takes_few_rows_only_where_measured_faster(tmp_path, mon
         monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "a"))
         K._tune_kq6(ext)  # 3 % faster: not enough
         assert ext.kq6_many() is True and ext.kq6_many_mask() == K.KQ6_ALL_MANY
-        assert calls == [(14, r, k, None if k <= K.KQ6_LONG_K else 1536, ["few", "many"]) for r, k in K.KQ6_SHAPES]
+        assert calls == [(14, r, k, None if k <= K.KQ6_LONG_K else 1536, ["few", "many"])
+                         for r, k in sorted(K.KQ6_SHAPES, key=lambda shape: shape[1])]  # grouped by K, each once
         few["t"] = 0.8
         monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "b"))
         K._tune_kq6(ext)

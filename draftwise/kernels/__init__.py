@@ -526,14 +526,16 @@ def _streamed_matrix(ext, fmt: int, K: int = 1536) -> tuple[torch.Tensor, int, i
     return w, N, K
 
 
-def _time_choices(ext, fmt: int, rows: int, choices: dict, K: int = 1536, N: int | None = None) -> dict[str, float]:
-    """Seconds of a ``rows``-row call of format ``fmt`` over ``_streamed_matrix`` (rows of ``K`` values) under each
-    choice (name -> a function that sets it), the best of 5, the choices alternated after a round that warms up (the
-    fresh codes' page faults, the threads). With ``N``, the same bytes as a model holds them: matrices of N outputs,
-    one call over each in turn (as a 1.5B's ffn_down, N = 1536: 11 MB a call)."""
+def _time_choices(ext, fmt: int, rows: int, choices: dict, K: int = 1536, N: int | None = None,
+                  matrix: tuple[torch.Tensor, int, int] | None = None) -> dict[str, float]:
+    """Seconds of a ``rows``-row call of format ``fmt`` over ``_streamed_matrix`` (rows of ``K`` values; ``matrix``:
+    one the caller packed already) under each choice (name -> a function that sets it), the best of 5, the choices
+    alternated after a round that warms up (the fresh codes' page faults, the threads). With ``N``, the same bytes as
+    a model holds them: matrices of N outputs, one call over each in turn (as a 1.5B's ffn_down, N = 1536: 11 MB a
+    call)."""
     import time
 
-    w, Nw, K = _streamed_matrix(ext, fmt, K)
+    w, Nw, K = matrix if matrix is not None else _streamed_matrix(ext, fmt, K)
     parts = [(w, Nw)]
     if N is not None and N < Nw:
         size = N // 16 * (w.numel() // (Nw // 16))  # bytes of N outputs: N / 16 tiles of 16 columns
@@ -589,9 +591,9 @@ def _tune_kq6(ext) -> None:
     faster and the output head (K = 1536) at 8 rows 11 %, the first ffn_down (K = 8960, whose tiles the few-rows
     loop re-reads from L2) at 8 rows 13 % and the head at 16-32 rows 5-7 % (ffn_down there about even). So both loops
     are timed once from memory on each shape of ``KQ6_SHAPES`` (6, 8 and 16 rows of 1536 values, one matrix as the
-    output head; of 8960, matrices of 1536 outputs as ffn_down; ~0.6 s), and the few-rows loop takes a shape where
-    it is ``KQ6_MARGIN`` faster. Speed only, the same bits (the selftest compares both with the reference). Cached
-    like ``_tune_multi``; ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``) keeps the many-rows loop."""
+    output head; of 8960, matrices of 1536 outputs as ffn_down; ~0.4 s, each matrix packed once), and the few-rows
+    loop takes a shape where it is ``KQ6_MARGIN`` faster. Speed only, the same bits (the selftest compares both with
+    the reference). Cached like ``_tune_multi``; ``DRAFTWISE_TUNE=0`` (or ``DRAFTWISE_ISA``) keeps the many-rows loop."""
     import json
 
     from .gguf_quant import KQ_TYPES
@@ -600,15 +602,22 @@ def _tune_kq6(ext) -> None:
     try:
         mask = int(json.loads(cache.read_text())["mask"])
     except (OSError, ValueError, KeyError, TypeError):
-        mask, seconds = 0, {}
+        mask, seconds, fmt = 0, {}, KQ_TYPES["Q6_K"]
+        shapes = list(KQ6_SHAPES.items())
         try:
-            for bit, ((rows, K), name) in enumerate(KQ6_SHAPES.items()):
-                times = _time_choices(ext, KQ_TYPES["Q6_K"], rows, {"many": lambda: ext.set_kq6_many(True),
-                                                                     "few": lambda: ext.set_kq6_many(False)},
-                                      K, None if K <= KQ6_LONG_K else 1536)  # long rows: as the 1.5B's ffn_down
-                seconds[name] = times
-                if not times["few"] < (1 - KQ6_MARGIN) * times["many"]:
-                    mask |= 1 << bit
+            for K in sorted({K for _, K in KQ6_SHAPES}):  # each K's matrix packed once, one held at a time
+                matrix = _streamed_matrix(ext, fmt, K)
+                for bit, ((rows, k), name) in enumerate(shapes):
+                    if k != K:
+                        continue
+                    times = _time_choices(ext, fmt, rows, {"many": lambda: ext.set_kq6_many(True),
+                                                           "few": lambda: ext.set_kq6_many(False)},
+                                          K, None if K <= KQ6_LONG_K else 1536,  # long rows: as the 1.5B's ffn_down
+                                          matrix=matrix)
+                    seconds[name] = times
+                    if not times["few"] < (1 - KQ6_MARGIN) * times["many"]:
+                        mask |= 1 << bit
+                del matrix
         finally:
             ext.set_kq6_many(True)
         _save_cache(cache, {"mask": mask, "loops": _kq6_loop_name(mask), "seconds": seconds, "signature": sig})
