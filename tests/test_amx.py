@@ -59,9 +59,37 @@ def test_the_hardware_tiles_give_the_reference_bits(qtype):
         x, w, bits, ref = _case(qtype, N)
         for M in range(1, 34):
             assert torch.equal(ext.kq_amx(x[:M].contiguous(), w, bits, N, False), ref[:M]), (N, M)
-        with using_isa("amx"):  # the path: 1 row on AVX512-VNNI, more on the tiles, threads over tiles
-            for M in (1, 2, 8, 16, 17, 32, 33):
-                assert torch.equal(ext.qmm_kq(x[:M].contiguous(), w, bits, N), ref[:M]), (N, M)
+        before = ext.amx_min_rows(bits)
+        with using_isa("amx"):  # the path: the tiles from amx_min_rows (threads over tiles, the call's split
+            try:                # activations), AVX512-VNNI below; both from 2 rows, then every call on AVX512-VNNI
+                for least in (2, 1 << 30):
+                    ext.set_amx_min_rows(bits, least)
+                    for M in (1, 2, 8, 16, 17, 31, 32, 33):
+                        assert torch.equal(ext.qmm_kq(x[:M].contiguous(), w, bits, N), ref[:M]), (N, M, least)
+            finally:
+                ext.set_amx_min_rows(bits, before)
+
+
+def test_the_hardware_kernels_byte_work_gives_the_emulations_bytes():
+    """The weights' B operands and the activations' two parts, on AVX-512BW (any AVX-512 CPU, AMX or not)."""
+    got = extension().amx_bytes_check()
+    if got.startswith("skipped"):
+        pytest.skip(got)
+    assert got == ""
+
+
+def test_the_tiles_row_threshold_takes_the_rows_where_the_tiles_won_from_there_on():
+    t = {16: {"tiles": 1.0, "vnni": 0.9}, 24: {"tiles": 1.0, "vnni": 1.2}, 32: {"tiles": 1.0, "vnni": 1.3}}
+    assert k._amx_min_rows(t) == 24
+    t[24]["vnni"] = 1.02  # within the margin: not a win, so 32
+    assert k._amx_min_rows(t) == 32
+    t[32]["vnni"] = 1.0
+    assert k._amx_min_rows(t) == k.AMX_NEVER
+    assert k._amx_min_rows({16: {"tiles": 1.0, "vnni": 2.0}, 24: {"tiles": 1.0, "vnni": 2.0}}) == 16
+    with pytest.raises(RuntimeError):
+        extension().set_amx_min_rows(102, 4)  # a block format: never on the tiles
+    with pytest.raises(RuntimeError):
+        extension().set_amx_min_rows(12, 0)
 
 
 def test_the_check_runs_in_a_child_and_refuses_a_fault_and_a_difference():

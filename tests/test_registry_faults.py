@@ -260,3 +260,34 @@ def test_killed_conversion_is_never_trusted_and_the_next_run_redoes_it(gguf_home
     cfg, sd, out = loading.load_gguf(gguf_home, torch.float32, progress=False)
     assert [d.name for d in converted.iterdir()] == [out.name]  # redone; the partial folder is gone
     assert cfg.vocab_size == 16 and tuple(sd["model.embed_tokens.weight"].shape) == (16, 8)
+
+
+CONVERT_SLOWLY = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import torch
+    from draftwise.models import loading
+    loading._save_gguf_tokenizer = lambda p, dest: (dest / "tokenizer_config.json").write_text("{}")
+    save = loading.save_aligned
+    def slow(sd, filename, *a, **kw):  # both processes inside the conversion at once
+        time.sleep(1.0)
+        return save(sd, filename, *a, **kw)
+    loading.save_aligned = slow
+    cfg, sd, out = loading.load_gguf(Path(sys.argv[1]), torch.float32, progress=False)
+    print(cfg.vocab_size, tuple(sd["model.embed_tokens.weight"].shape), out.name)
+""")
+
+
+def test_two_processes_converting_one_file_at_once_both_load_it(gguf_home):
+    """Each writes a folder of its own and renames it into place (before: one shared ``.tmp`` folder, which
+    the second process deleted under the first: two test workers' first load of one model failed)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTWISE_HOME": os.environ["DRAFTWISE_HOME"]}
+    procs = [subprocess.Popen([sys.executable, "-c", CONVERT_SLOWLY, str(gguf_home)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    lines = {out.strip().splitlines()[-1] for out, _ in outs}
+    assert len(lines) == 1 and lines.pop().startswith("16 (16, 8) ")
+    converted = registry.draftwise_home() / "converted"
+    assert not [d.name for d in converted.iterdir() if d.name.endswith(".tmp")]

@@ -380,6 +380,10 @@ def extension():
                     _tune_kq6(_ext)  # after the prefetch level: each loop is timed as the model will run it
                 except Exception as e:  # as above: Q6_K's many-rows loop, as before any tuning
                     log.warning("draftwise: kernel Q6_K loop tuning skipped (%s: %s)", type(e).__name__, e)
+                try:
+                    _tune_amx(_ext)
+                except Exception as e:  # as above: the tiles from AMX_DEFAULT_MIN_ROWS rows
+                    log.warning("draftwise: AMX row tuning skipped (%s: %s)", type(e).__name__, e)
     return _ext
 
 
@@ -582,6 +586,60 @@ def _kq6_loop_name(mask: int) -> str:
     return "few-rows at " + "; ".join(few) + ", many-rows elsewhere"
 
 
+AMX_MARGIN = 0.05  # the tiles take a format's calls from a row count on only where they are this much faster
+AMX_ROWS = (16, 24, 32)  # the row counts timed (a prefill chunk and the longest verification: 32)
+AMX_NEVER = 1 << 30  # min rows where the tiles never won: every call on AVX512-VNNI
+
+
+def _amx_min_rows(times: dict[int, dict[str, float]]) -> int:
+    """The fewest rows from which the tiles were ``AMX_MARGIN`` faster at every timed row count, else AMX_NEVER."""
+    best = AMX_NEVER
+    for rows in sorted(times, reverse=True):
+        if not times[rows]["tiles"] < (1 - AMX_MARGIN) * times[rows]["vnni"]:
+            break
+        best = rows
+    return best
+
+
+def _tune_amx(ext) -> None:
+    """From how many rows the ``amx`` path's calls run on the tiles (``dw::amx_min_rows``, csrc/arch/x86/amx.h), per
+    K-quant format. The tiles' cost per super-block of 16 columns hardly depends on the rows (each tdpbsud takes 16
+    cycles for 1 or 16 rows, and the weights' B operands are built once per call), AVX512-VNNI's grows with them: on
+    an Intel Xeon (2026-12-07, 2 cores, the 1.5B's matrices from memory) the tiles lost at 8-24 rows (Q4_K 16 rows:
+    83 against 64 ms) and were within -5 % / +10 % at 32 (Q4_K 121 against 131 ms, Q6_K 53 against 59 in one run,
+    129 / 123 and 50 / 55 in another). So both are timed once from memory at ``AMX_ROWS`` rows (~3 s), and the tiles
+    take the calls from the fewest rows where they won by ``AMX_MARGIN`` there and at every larger count timed, else
+    none (``AMX_NEVER``). Speed only, the same bits (the AMX check and the selftest compare the tiles with
+    the reference). Only where the amx path runs; cached like ``_tune_multi``; ``DRAFTWISE_TUNE=0`` (or
+    ``DRAFTWISE_ISA``) keeps ``dw::kAmxMinRowsDefault``."""
+    import json
+
+    from .gguf_quant import KQ_TYPES
+
+    if ext.isa() != "amx":
+        return
+    cache, sig = _machine_cache(ext, "amx-rows", str(torch.get_num_threads()))
+    try:
+        chosen = {int(f): int(r) for f, r in json.loads(cache.read_text())["min_rows"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        chosen, seconds = {}, {}
+        for name in ("Q4_K", "Q6_K"):
+            fmt = KQ_TYPES[name]
+            before = ext.amx_min_rows(fmt)
+            try:
+                matrix = _streamed_matrix(ext, fmt, 1536)
+                times = {rows: _time_choices(ext, fmt, rows, {"tiles": lambda f=fmt: ext.set_amx_min_rows(f, 1),
+                                                              "vnni": lambda f=fmt: ext.set_amx_min_rows(f, AMX_NEVER)},
+                                             matrix=matrix) for rows in AMX_ROWS}
+                del matrix
+            finally:
+                ext.set_amx_min_rows(fmt, before)
+            chosen[fmt], seconds[name] = _amx_min_rows(times), {str(r): t for r, t in times.items()}
+        _save_cache(cache, {"min_rows": {str(f): r for f, r in chosen.items()}, "seconds": seconds, "signature": sig})
+    for fmt, rows in chosen.items():
+        ext.set_amx_min_rows(fmt, rows)
+
+
 def _tune_kq6(ext) -> None:
     """Which loop Q6_K's calls of more than 4 rows take (``dw::kq6_many_at``, csrc/core/kquant.h), per call shape: on
     AVX512-VNNI one that decodes each code vector once for 8 rows a pass, or the few-rows loop (up to 6 rows in one
@@ -763,6 +821,10 @@ def kernel_info() -> dict:
         info["q6k_loop"] = _kq6_loop_name(ext.kq6_many_mask())
         amx = amx_info()
         info["amx"] = amx["state"] + (f": {amx['reason']}" if amx["reason"] else "")
+        if ext.isa() == "amx":  # from how many rows each K-quant format's calls run on the tiles
+            info["amx_tiles"] = ", ".join(
+                f"{n} from {r} rows" if r < AMX_NEVER else f"{n} never (AVX512-VNNI was faster)"
+                for n, r in ((n, ext.amx_min_rows(KQ_TYPES[n])) for n in ("Q4_K", "Q6_K")))
     else:
         info["error"] = _ext_error
     return info

@@ -434,11 +434,17 @@ def keep_converted() -> bool:
 
 def _write_converted(path: Path, out: Path, sd: dict | None, weights_name: str, cfg: ModelConfig,
                      cfg_name: str, table: list[dict]) -> None:
-    """Write a converted folder: into ``<out>.tmp`` (a folder a killed or failed run leaves is never read,
+    """Write a converted folder: into ``<out>.<pid>.tmp`` (a folder a killed or failed run leaves is never read,
     and the next run starts it afresh), then renamed into place. A full disk is a clear error naming the
     space needed, and leaves no partial folder."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # one folder per process: two processes converting the same file at once (two test workers, two servers
+    # started together) must not write into, or delete, each other's
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    for stale in out.parent.glob(glob.escape(out.name) + ".*.tmp"):  # left by a killed process (or this pid's)
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(stale.name.split(".")[-2] if not stale.name.endswith(".old.tmp") else stale.name.split(".")[-3])
+            if pid == os.getpid() or not _alive(pid):
+                shutil.rmtree(stale, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
         if out.exists():  # another format converted before: keep its files
@@ -466,8 +472,18 @@ def _write_converted(path: Path, out: Path, sd: dict | None, weights_name: str, 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    old = out.with_name(f"{out.name}.{os.getpid()}.old.tmp")
+    try:
+        out.rename(old)  # atomic: a reader sees the previous folder or this one, never a half-deleted one
+    except FileNotFoundError:
+        pass
+    try:
+        tmp.rename(out)
+    except OSError:  # another process put its copy in place meanwhile (the same conversion): keep that one
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not out.exists():
+            raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def quantize_linears(sd: dict[str, torch.Tensor], bits: int) -> dict[str, torch.Tensor]:

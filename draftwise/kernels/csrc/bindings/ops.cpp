@@ -112,6 +112,9 @@ torch::Tensor kq_call(const char* what, torch::Tensor x, torch::Tensor w, int64_
   std::vector<int32_t> e32(block ? 0 : M * (K / 32)), b32p(block ? 0 : M * (K / 64));
   const float* xp = x.data_ptr<float>();
   const dw::IsaOps* ops = dw::active();  // its act_k / act_b: the reference's bits on this path's vectors
+  // the AMX path's tiles read the codes split into two bytes each: split once here, not by every chunk
+  const bool split = !block && ops->act_split && ops->tiles_for && ops->tiles_for(M, (int)fmt);
+  std::vector<int8_t> alo(split ? M * K : 0), ahi(split ? M * K : 0);
   dw::parallel_for(M, 1, kernel_threads(), [&](int64_t m0, int64_t m1) {
     if (block) {
       ops->act_b(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * nd, b32.data() + m0 * (K / 32));
@@ -119,12 +122,15 @@ torch::Tensor kq_call(const char* what, torch::Tensor x, torch::Tensor w, int64_
       ops->act_k(xp + m0 * K, m1 - m0, K, q.data() + m0 * K, d.data() + m0 * nd, b16n.data() + m0 * (K / 16),
                  b32.data() + m0 * (K / 32), e.data() + m0 * (K / 32));
       dw::kq_act_lanes(m0, m1, K, b32.data(), e.data(), e32.data(), b32p.data());
+      if (split)
+        ops->act_split(q.data() + m0 * K, e.data() + m0 * (K / 32), m1 - m0, K, alo.data() + m0 * K, ahi.data() + m0 * K);
     }
   });
   dw::KqArgs a{};
   a.M = M, a.K = K, a.N = N, a.fmt = (int)fmt;
   a.w = w.data_ptr<uint8_t>();
   a.act = {q.data(), d.data(), b16n.data(), b32.data(), e.data(), block ? nullptr : e32.data(), block ? nullptr : b32p.data()};
+  if (split) a.act.alo = alo.data(), a.act.ahi = ahi.data();
   a.out = out.data_ptr<float>();
   run(a);
   return out;
@@ -444,5 +450,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_verify", &amx_verify, "the AMX tile kernel against the reference in a forked child: (identical, reason)");
   m.def("amx_set_verdict", [](bool ok, const std::string& reason) { dw::amx_set_verdict(ok, reason); },
         "a cached verdict of amx_verify('hardware') (taken only while the path is unchecked)");
+  m.def("amx_bytes_check", &dw::amx_bytes_check, "the AMX kernel's AVX-512BW byte work against the emulation's: '' "
+        "when equal, 'skipped: ...' where it cannot run, else the first difference");
+  m.def("amx_min_rows", [](int64_t fmt) { return dw::amx_min_rows((int)fmt); },
+        "the fewest rows of a call of format fmt (Q4_K, Q6_K) that the amx path runs on the tiles (0: another format)");
+  m.def("set_amx_min_rows", [](int64_t fmt, int64_t rows) {
+          TORCH_CHECK(rows >= 1 && rows <= (1 << 30) && dw::amx_set_min_rows((int)fmt, (int)rows),
+                      "set_amx_min_rows: format Q4_K (12) or Q6_K (14) and rows in 1..2^30, got ", fmt, ", ", rows);
+        }, "the fewest rows of a call of format fmt that the amx path runs on the tiles: speed only, the same bits");
   m.def("kq_amx", &kq_amx, "the K-quant rule on the AMX tile kernel, any rows, this thread (emulated: any CPU)");
 }

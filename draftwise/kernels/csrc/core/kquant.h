@@ -159,6 +159,10 @@ struct ActQ8K {
   // vector broadcasts straight from memory
   const int32_t* e32;   // (M, K / 32) e, as int32
   const int32_t* b32p;  // (M, K / 64) b32 in int16 pairs: word k = b32[2k] (low half) | b32[2k + 1] << 16
+  // the AMX tiles' activation bytes (arch/x86/kquant_amx.inc: v = q << e = alo + 128 * ahi), where the call's
+  // path splits them once (IsaOps::act_split); null elsewhere (the tile kernel then splits them itself)
+  const int8_t* alo = nullptr;  // (M, K) v & 127
+  const int8_t* ahi = nullptr;  // (M, K) v >> 7
 };
 
 // e32 and b32p of ActQ8K from e and b32, rows m0..m1 (exact: |b32| <= 32 * 127 * 8 = 32512 fits int16)

@@ -83,6 +83,10 @@ struct IsaOps {
   void (*act_k)(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* b16n, int32_t* b32, uint8_t* e);
   // the block formats' activations (kquant.h BLOCK FORMATS: act_q8b's bits)
   void (*act_b)(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* bsum);
+  // the AMX path only (else null): whether its qmm_k runs an M-row call of format fmt on the tiles, and the
+  // tiles' activation bytes of such a call (ActQ8K::alo / ahi from q and e, rows 0..M-1), split once per call
+  bool (*tiles_for)(int64_t M, int fmt) = nullptr;
+  void (*act_split)(const int8_t* q, const uint8_t* e, int64_t M, int64_t K, int8_t* lo, int8_t* hi) = nullptr;
 };
 
 // int8 activations apply when the code rows split into whole 32-byte half steps

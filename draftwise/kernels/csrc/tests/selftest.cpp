@@ -478,7 +478,10 @@ int check_amx() {
   if (!ok) std::printf("amx emulated tiles: %s\n", emu.c_str());
   if (!refused) std::printf("amx check: a one-bit difference was not refused\n");
   std::printf("%-20s %s\n", "amx-tiles-emulated", ok && refused ? "ok" : "FAIL");
-  return ok && refused ? 0 : 1;
+  const std::string bytes = dw::amx_bytes_check();  // the hardware kernel's prep and split (AVX-512BW only)
+  const bool bytes_ok = bytes.empty() || bytes.rfind("skipped", 0) == 0;
+  std::printf("%-20s %s\n", "amx-bytes", bytes.empty() ? "ok" : bytes_ok ? bytes.c_str() : ("FAIL: " + bytes).c_str());
+  return ok && refused && bytes_ok ? 0 : 1;
 }
 
 }  // namespace
@@ -494,6 +497,7 @@ int main() {
   };
   std::string amx_why;  // on an AMX CPU: the hardware check (forked child); verified, the path joins the others
   dw::amx_verify(0, &amx_why);
+  dw::amx_set_min_rows(dw::kKq4, 1), dw::amx_set_min_rows(dw::kKq6, 1);  // the path's calls of any rows on the tiles
   const char* names[16];
   const int npaths = dw::available_paths(names, 16);
   std::printf("cpu: %s\namx: %s (%s)\npaths:", dw::cpu_features(), dw::amx_state_name(dw::amx_state(nullptr)),

@@ -52,6 +52,21 @@ bool amx_verify(int mode, std::string* reason);
 // a verdict found in the cache (only taken while the state is kUnchecked)
 void amx_set_verdict(bool ok, const std::string& reason);
 
+// The amx path runs a K-quant call of M rows on the tiles when M >= amx_min_rows(fmt) (Q4_K, Q6_K; else
+// on AVX512-VNNI, as the block formats always): fewer rows are memory-bound there, and the tiles' fixed cost
+// per super-block (the weights' B operands) is not paid back. Speed only: the same bits either way. Set per
+// machine from a measurement (kernels._tune_amx); false for another format or rows < 1. Untimed: 32 rows (an
+// Intel Xeon, 2026-12-07: the tiles lost at 8-24 rows, were within -5 % / +10 % of AVX512-VNNI at 32).
+constexpr int kAmxMinRowsDefault = 32;
+int amx_min_rows(int fmt);
+bool amx_set_min_rows(int fmt, int rows);
+
+// The hardware kernel's byte work around the tiles (the weights' B operands, the activations' two parts: plain
+// AVX-512BW, no tile instruction) against the emulation's plain C++ on random blocks, so that every AVX-512
+// machine tests it, not only an AMX one. "" when every byte agrees, "skipped: ..." where it cannot run, else the
+// first difference.
+std::string amx_bytes_check();
+
 // the tile kernel over tiles t0..t1 for any number of rows (no 1-row hand-off), on the calling thread:
 // on the emulated tiles (any CPU), or on the hardware (only when amx_usable(); returns false otherwise)
 void kq_amx_emulated(const KqArgs& a, int64_t t0, int64_t t1);

@@ -132,6 +132,14 @@ struct EmuLanes {
   static I add(I a, I b) { for (int l = 0; l < 16; ++l) a.v[l] = (int32_t)((uint32_t)a.v[l] + (uint32_t)b.v[l]); return a; }
   static I mul(I a, I b) { for (int l = 0; l < 16; ++l) a.v[l] = (int32_t)((uint32_t)a.v[l] * (uint32_t)b.v[l]); return a; }
   static I sllv(I a, I n) { for (int l = 0; l < 16; ++l) a.v[l] = (int32_t)((uint32_t)a.v[l] << n.v[l]); return a; }
+  static I dpwssd(I acc, I a, I b) {  // vpdpwssd: + lo16(a) * lo16(b) + hi16(a) * hi16(b), int32 with wrap-around
+    for (int l = 0; l < 16; ++l) {
+      const int32_t p = (int32_t)(int16_t)(a.v[l] & 0xFFFF) * (int16_t)(b.v[l] & 0xFFFF) +
+                        (int32_t)(int16_t)((uint32_t)a.v[l] >> 16) * (int16_t)((uint32_t)b.v[l] >> 16);
+      acc.v[l] = (int32_t)((uint32_t)acc.v[l] + (uint32_t)p);
+    }
+    return acc;
+  }
   static F cvt(I a) { F r; for (int l = 0; l < 16; ++l) r.v[l] = (float)a.v[l]; return r; }
   static F h2f(const uint8_t* p) {
     F r;

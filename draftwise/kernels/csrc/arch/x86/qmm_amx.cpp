@@ -40,6 +40,12 @@
 namespace {
 namespace emu {
 #include "arch/x86/kquant_amx.inc"  // kq_amx<T>, plain C++
+struct Ops : dw::EmuOps {
+  static void prep(int fmt, const uint8_t* blk, uint8_t* B) { amx_prep_ref(fmt, blk, B); }
+  static void split(const int8_t* q, const uint8_t* e, int64_t M, int64_t K, int8_t* lo, int8_t* hi) {
+    amx_split_ref(q, e, M, K, lo, hi);
+  }
+};
 }  // namespace emu
 }  // namespace
 
@@ -84,25 +90,24 @@ struct Tiles {
     else _tile_stored(7, p, stride);
     barrier();
   }
-  // the (c, a, b) triples kquant_amx.inc uses: (4, 2, 0), (5, 3, 0), (6, 2, 1), (7, 3, 1)
+  // the (c, a, b) triples kquant_amx.inc uses: tmm0 / tmm1 A, tmm2 / tmm3 B, tmm4..tmm7 C
   template <int C, int A, int B>
   static void dp_su() {
-    if constexpr (C == 4 && A == 2 && B == 0) _tile_dpbsud(4, 2, 0);
-    else if constexpr (C == 5 && A == 3 && B == 0) _tile_dpbsud(5, 3, 0);
-    else if constexpr (C == 6 && A == 2 && B == 1) _tile_dpbsud(6, 2, 1);
+    if constexpr (C == 4 && A == 0 && B == 2) _tile_dpbsud(4, 0, 2);
+    else if constexpr (C == 5 && A == 0 && B == 3) _tile_dpbsud(5, 0, 3);
+    else if constexpr (C == 6 && A == 1 && B == 2) _tile_dpbsud(6, 1, 2);
+    else if constexpr (C == 7 && A == 1 && B == 3) _tile_dpbsud(7, 1, 3);
     else {
-      static_assert(C == 7 && A == 3 && B == 1, "unsupported tile triple");
-      _tile_dpbsud(7, 3, 1);
+      static_assert(C == 5 && A == 1 && B == 2, "unsupported tile triple");
+      _tile_dpbsud(5, 1, 2);
     }
   }
   template <int C, int A, int B>
   static void dp_ss() {
-    if constexpr (C == 4 && A == 2 && B == 0) _tile_dpbssd(4, 2, 0);
-    else if constexpr (C == 5 && A == 3 && B == 0) _tile_dpbssd(5, 3, 0);
-    else if constexpr (C == 6 && A == 2 && B == 1) _tile_dpbssd(6, 2, 1);
+    if constexpr (C == 5 && A == 0 && B == 3) _tile_dpbssd(5, 0, 3);
     else {
-      static_assert(C == 7 && A == 3 && B == 1, "unsupported tile triple");
-      _tile_dpbssd(7, 3, 1);
+      static_assert(C == 6 && A == 1 && B == 3, "unsupported tile triple");
+      _tile_dpbssd(6, 1, 3);
     }
   }
 };
@@ -127,9 +132,70 @@ struct Lanes {  // 16 lanes in one zmm register
   static F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b = fma(a, -b, c)
+  static I dpwssd(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
 };
 
-struct Ops : Tiles, Lanes {};
+// prep and split of kquant_amx.inc on AVX-512BW: the integers of amx_prep_ref / amx_split_ref
+struct Bytes {
+  using V = __m512i;
+  static V ld(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+  static void st(uint8_t* p, V v) { _mm512_store_si512((void*)p, v); }
+  // a sub-block's 16 scales (bytes) as 16-bit lanes, the scale of column n in both halves of 32-bit lane n
+  static V pair16(V s32) { return _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16)); }
+  static void prep(int fmt, const uint8_t* blk, uint8_t* B) {
+    const V m4 = _mm512_set1_epi8(15);
+    const int64_t tb = dw::kq_tile_bytes(fmt);  // the super-block 4 ahead, into L1 (a hint: never faults)
+    for (int64_t o = 0; o < tb; o += 64) _mm_prefetch((const char*)(blk + 4 * tb + o), _MM_HINT_T0);
+    if (fmt == dw::kKq4) {
+      for (int c = 0; c < 4; ++c) {
+        V slo[2], shi[2];
+        for (int h = 0; h < 2; ++h) {  // sub-block 2c + h: scales 0..63 = s_lo + 16 s_hi
+          const V s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + dw::KQ4_SC + 16 * (2 * c + h))));
+          slo[h] = pair16(_mm512_and_si512(s, _mm512_set1_epi32(15))), shi[h] = pair16(_mm512_srli_epi32(s, 4));
+        }
+        for (int r = 0; r < 8; ++r) {
+          const V g = ld(blk + dw::KQ4_QS + (8 * c + r) * 64);
+          const V ql = _mm512_and_si512(g, m4), qh = _mm512_and_si512(_mm512_srli_epi16(g, 4), m4);
+          // each 16-bit lane: two codes of one column (<= 15) times its scale part (<= 15): byte products, no carry
+          st(B + c * 1024 + r * 64, _mm512_mullo_epi16(ql, slo[0]));
+          st(B + 4096 + c * 1024 + r * 64, _mm512_mullo_epi16(ql, shi[0]));
+          st(B + c * 1024 + (r + 8) * 64, _mm512_mullo_epi16(qh, slo[1]));
+          st(B + 4096 + c * 1024 + (r + 8) * 64, _mm512_mullo_epi16(qh, shi[1]));
+        }
+      }
+      return;
+    }
+    const V b32 = _mm512_set1_epi8(32), lo8 = _mm512_set1_epi16(0x00FF), fe = _mm512_set1_epi16(0x00FE),
+            fe00 = _mm512_set1_epi16((short)0xFE00), m3 = _mm512_set1_epi8(3);
+    for (int j = 0; j < 16; ++j) {  // sub-block j = rows 4 (j % 4) .. +3 of chunk j / 4
+      const int h = j / 8, part = (j % 8) / 2, s = j % 2, c = j / 4;
+      const V sc = pair16(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + dw::KQ6_SC + 16 * j))));
+      for (int r4 = 0; r4 < 4; ++r4) {
+        const V ql = ld(blk + dw::KQ6_QL + (16 * h + 8 * (part & 1) + 4 * s + r4) * 64);
+        const V qh = ld(blk + dw::KQ6_QH + (8 * h + 4 * s + r4) * 64);
+        const V lo = part < 2 ? _mm512_and_si512(ql, m4) : _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4);
+        const V hb = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * part), m3);
+        const V w = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hb, 4)), b32);  // u - 32 (hb << 4 < 64: no carry)
+        const V p0 = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(w, 8), 8), sc);  // even bytes' products
+        const V p1 = _mm512_mullo_epi16(_mm512_srai_epi16(w, 8), sc);                        // odd bytes'
+        const int row = 4 * (j % 4) + r4;
+        st(B + c * 1024 + row * 64, _mm512_or_si512(_mm512_and_si512(p0, lo8), _mm512_slli_epi16(p1, 8)));
+        st(B + 4096 + c * 1024 + row * 64,  // 2 * (P >> 8) of each byte
+           _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(p0, 7), fe), _mm512_and_si512(_mm512_slli_epi16(p1, 1), fe00)));
+      }
+    }
+  }
+  static void split(const int8_t* q, const uint8_t* e, int64_t M, int64_t K, int8_t* lo, int8_t* hi) {
+    const V m7 = _mm512_set1_epi16(127);
+    for (int64_t i = 0; i < M * K; i += 32) {  // one block of 32 codes (K % 256 == 0)
+      const V v = _mm512_sllv_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + i))), _mm512_set1_epi16(e[i / 32]));
+      _mm256_storeu_si256((__m256i*)(lo + i), _mm512_cvtepi16_epi8(_mm512_and_si512(v, m7)));
+      _mm256_storeu_si256((__m256i*)(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 7)));
+    }
+  }
+};
+
+struct Ops : Tiles, Lanes, Bytes {};
 
 #include "arch/x86/kquant_amx.inc"  // kq_amx<T> under this target
 
@@ -210,7 +276,7 @@ void record(bool ok, const std::string& reason) {
 
 using Kernel = void (*)(const KqArgs&, int64_t, int64_t);
 
-void emulated(const KqArgs& a, int64_t t0, int64_t t1) { emu::kq_amx<EmuOps>(a, t0, t1); }
+void emulated(const KqArgs& a, int64_t t0, int64_t t1) { emu::kq_amx<emu::Ops>(a, t0, t1); }
 
 // The check itself (in the child): random GGUF blocks of both formats, two shapes (one with a partial last
 // tile), the kernel on the first M rows for every M = 1..33 (one / two A tiles, two passes) and 40, each
@@ -371,10 +437,19 @@ bool check_in_child(int mode, std::string* reason) {
 // the path's K-quant call: one row on AVX512-VNNI (its memory-bound kernel), more rows on the tiles; the
 // block formats (Q4_0 / Q4_1 / Q5_0 / Q8_0: no tile kernel yet) on AVX512-VNNI at every row count
 Kernel g_one_row = nullptr;
+std::atomic<int> g_min_rows[2] = {{kAmxMinRowsDefault}, {kAmxMinRowsDefault}};  // Q4_K, Q6_K
+int fmt_slot(int fmt) { return fmt == kKq4 ? 0 : fmt == kKq6 ? 1 : -1; }
+bool tiles_for(int64_t M, int fmt) {
+  const int s = fmt_slot(fmt);
+  return s >= 0 && M >= g_min_rows[s].load(std::memory_order_relaxed);
+}
 #if DW_AMX_BUILT
 void kq_path(const KqArgs& a, int64_t t0, int64_t t1) {
-  if (a.M < 2 || kq_is_block(a.fmt)) g_one_row(a, t0, t1);
-  else hw::run(a, t0, t1);
+  if (tiles_for(a.M, a.fmt)) hw::run(a, t0, t1);
+  else g_one_row(a, t0, t1);
+}
+void act_split(const int8_t* q, const uint8_t* e, int64_t M, int64_t K, int8_t* lo, int8_t* hi) {
+  hw::Bytes::split(q, e, M, K, lo, hi);
 }
 #endif
 
@@ -433,6 +508,45 @@ void kq_amx_emulated(const KqArgs& a, int64_t t0, int64_t t1) {
   else emulated(a, t0, t1);
 }
 
+std::string amx_bytes_check() {
+#if DW_AMX_BUILT
+  for (const char* f : {"avx512f", "avx512bw", "avx512dq", "avx512vl"})
+    if (!cpu_has(f)) return std::string("skipped: this CPU lacks ") + f;
+  uint64_t st = 0x9E3779B97F4A7C15ull;
+  auto u8 = [&] {
+    st ^= st >> 12, st ^= st << 25, st ^= st >> 27;
+    return (uint8_t)((st * 0x2545F4914F6CDD1Dull) >> 56);
+  };
+  for (int fmt : {kKq4, kKq6}) {
+    std::vector<uint8_t> blk(kq_tile_bytes(fmt) * 5);  // the prep reads one super-block (4 more: slack)
+    for (int rep = 0; rep < 64; ++rep) {
+      for (auto& v : blk) v = u8();
+      if (fmt == kKq4)  // the unpacked 6-bit scales and mins
+        for (int i = KQ4_SC; i < KQ4_D; ++i) blk[i] &= 63;
+      alignas(64) uint8_t ref[8192], got[8192];
+      emu::amx_prep_ref(fmt, blk.data(), ref);
+      hw::Bytes::prep(fmt, blk.data(), got);
+      for (int i = 0; i < 8192; ++i)
+        if (ref[i] != got[i])
+          return std::string(fmt == kKq4 ? "Q4_K" : "Q6_K") + " prep: byte " + std::to_string(i) + " is " +
+                 std::to_string(got[i]) + ", the reference's " + std::to_string(ref[i]);
+    }
+  }
+  const int64_t M = 3, K = 512;
+  std::vector<int8_t> q(M * K), lo(M * K), hi(M * K), lr(M * K), hr(M * K);
+  std::vector<uint8_t> e(M * K / 32);
+  for (auto& v : q) v = (int8_t)u8();
+  for (auto& v : q) v = v == -128 ? 127 : v;  // act_q8k's codes: |q| <= 127
+  for (auto& v : e) v = u8() & 3;
+  emu::amx_split_ref(q.data(), e.data(), M, K, lr.data(), hr.data());
+  hw::Bytes::split(q.data(), e.data(), M, K, lo.data(), hi.data());
+  if (lo != lr || hi != hr) return "split: the activations' bytes differ from the reference's";
+  return "";
+#else
+  return "skipped: the hardware kernel is not built";
+#endif
+}
+
 bool kq_amx_hardware(const KqArgs& a, int64_t t0, int64_t t1) {
 #if DW_AMX_BUILT
   if (!amx_usable()) return false;
@@ -445,6 +559,17 @@ bool kq_amx_hardware(const KqArgs& a, int64_t t0, int64_t t1) {
 #endif
 }
 
+int amx_min_rows(int fmt) {
+  const int s = fmt_slot(fmt);
+  return s < 0 ? 0 : g_min_rows[s].load();
+}
+bool amx_set_min_rows(int fmt, int rows) {
+  const int s = fmt_slot(fmt);
+  if (s < 0 || rows < 1) return false;
+  g_min_rows[s].store(rows);
+  return true;
+}
+
 const IsaOps* amx_ops() {
 #if DW_AMX_BUILT
   static const IsaOps* ops = []() -> const IsaOps* {
@@ -454,6 +579,8 @@ const IsaOps* amx_ops() {
     o.name = "amx";
     g_one_row = vnni->qmm_k;
     o.qmm_k = kq_path;
+    o.tiles_for = tiles_for;
+    o.act_split = act_split;
     return &o;
   }();
   return ops;
