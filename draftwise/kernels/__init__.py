@@ -382,7 +382,7 @@ def extension():
                     log.warning("draftwise: kernel Q6_K loop tuning skipped (%s: %s)", type(e).__name__, e)
                 try:
                     _tune_amx(_ext)
-                except Exception as e:  # as above: the tiles from AMX_DEFAULT_MIN_ROWS rows
+                except Exception as e:  # as above: the tiles from dw::kAmxMinRowsDefault rows
                     log.warning("draftwise: AMX row tuning skipped (%s: %s)", type(e).__name__, e)
     return _ext
 
