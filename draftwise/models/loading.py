@@ -440,11 +440,9 @@ def _write_converted(path: Path, out: Path, sd: dict | None, weights_name: str, 
     # one folder per process: two processes converting the same file at once (two test workers, two servers
     # started together) must not write into, or delete, each other's
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    for stale in out.parent.glob(glob.escape(out.name) + ".*.tmp"):  # left by a killed process (or this pid's)
-        with contextlib.suppress(ValueError, OSError):
-            pid = int(stale.name.split(".")[-2] if not stale.name.endswith(".old.tmp") else stale.name.split(".")[-3])
-            if pid == os.getpid() or not _alive(pid):
-                shutil.rmtree(stale, ignore_errors=True)
+    for stale in _stale_tmps(out):
+        shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
         if out.exists():  # another format converted before: keep its files
@@ -472,7 +470,7 @@ def _write_converted(path: Path, out: Path, sd: dict | None, weights_name: str, 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = out.with_name(f"{out.name}.{os.getpid()}.old.tmp")
+    old = out.with_name(f"{out.name}.old.{os.getpid()}.tmp")
     try:
         out.rename(old)  # atomic: a reader sees the previous folder or this one, never a half-deleted one
     except FileNotFoundError:
@@ -626,11 +624,9 @@ def _keep_copy(sd: dict[str, torch.Tensor], weights: Path, progress: bool) -> bo
     wins, every one complete). False, with a note, where the disk lacks the room (the copy's size plus
     ``KEEP_MARGIN``) or refuses the write: the load goes on from the re-packed code, as every later one will."""
     need = sum(t.numel() * t.element_size() for t in sd.values())
-    for stale in weights.parent.glob(weights.name + ".*.tmp"):  # left by a killed process
-        with contextlib.suppress(ValueError, OSError):
-            pid = int(stale.name.split(".")[-2])
-            if pid != os.getpid() and not _alive(pid):
-                stale.unlink()
+    for stale in _stale_tmps(weights):
+        with contextlib.suppress(OSError):
+            stale.unlink()
     free = shutil.disk_usage(weights.parent).free
     why = f"{free / 1e9:.2f} GB free in {weights.parent}" if free < need + KEEP_MARGIN else None
     if why is None:
@@ -646,6 +642,18 @@ def _keep_copy(sd: dict[str, torch.Tensor], weights: Path, progress: bool) -> bo
         print(f"draftwise: not keeping a converted copy ({need / 1e9:.2f} GB; {why}): each load re-packs the "
               "GGUF (DRAFTWISE_KEEP_CONVERTED=0 stops trying)", file=sys.stderr)
     return False
+
+
+def _stale_tmps(path: Path) -> list[Path]:
+    """The ``<path.name>[.old].<pid>.tmp`` files and folders beside ``path`` that a process now gone left (killed while
+    writing): another live process's are in use, this process's its caller handles."""
+    stale = []
+    for p in path.parent.glob(glob.escape(path.name) + ".*.tmp"):
+        with contextlib.suppress(ValueError):
+            pid = int(p.name.split(".")[-2])
+            if pid != os.getpid() and not _alive(pid):
+                stale.append(p)
+    return stale
 
 
 def _alive(pid: int) -> bool:
