@@ -281,12 +281,17 @@ void emulated(const KqArgs& a, int64_t t0, int64_t t1) { emu::kq_amx<emu::Ops>(a
 // The check itself (in the child): random GGUF blocks of both formats, two shapes (one with a partial last
 // tile), the kernel on the first M rows for every M = 1..33 (one / two A tiles, two passes) and 40, each
 // against the reference's rows. "" when every bit agrees, else the first difference.
-std::string check_kernel(Kernel kernel, bool flip) {
-  uint64_t st = 0x3C6EF372FE94F82Bull;
-  auto u32 = [&] {
+// the checks' random numbers (xorshift64*): the same sequence for a seed on every machine
+struct Rng {
+  uint64_t st;
+  uint32_t operator()() {
     st ^= st >> 12, st ^= st << 25, st ^= st >> 27;
     return (uint32_t)((st * 0x2545F4914F6CDD1Dull) >> 32);
-  };
+  }
+};
+
+std::string check_kernel(Kernel kernel, bool flip) {
+  Rng u32{0x3C6EF372FE94F82Bull};
   const int64_t shapes[2][2] = {{37, 512}, {48, 768}};
 
   for (int fmt : {kKq4, kKq6}) {
@@ -512,11 +517,8 @@ std::string amx_bytes_check() {
 #if DW_AMX_BUILT
   for (const char* f : {"avx512f", "avx512bw", "avx512dq", "avx512vl"})
     if (!cpu_has(f)) return std::string("skipped: this CPU lacks ") + f;
-  uint64_t st = 0x9E3779B97F4A7C15ull;
-  auto u8 = [&] {
-    st ^= st >> 12, st ^= st << 25, st ^= st >> 27;
-    return (uint8_t)((st * 0x2545F4914F6CDD1Dull) >> 56);
-  };
+  Rng rng{0x9E3779B97F4A7C15ull};
+  auto u8 = [&] { return (uint8_t)(rng() >> 24); };
   for (int fmt : {kKq4, kKq6}) {
     std::vector<uint8_t> blk(kq_tile_bytes(fmt) * 5);  // the prep reads one super-block (4 more: slack)
     for (int rep = 0; rep < 64; ++rep) {
