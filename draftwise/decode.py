@@ -178,7 +178,7 @@ class Decoder:
             self.target.encode(row, seq.encoder_ids)
         # a drafter whose context is the target's states at every prompt position (eagle) gets them all
         every = {"all_hidden": True} if self.needs.prompt_hidden else {}
-        # the prompt in exact 32-token chunks, after the longest prefix the cache holds (not where the drafter
+        # the prompt in exact chunks (prefix.PREFILL_CHUNK tokens), after the longest prefix the cache holds (not where the drafter
         # reads every prompt position's state: the cache keeps keys and values only)
         prefix = self.prefix_cache if seq.encoder_ids is None and not every else None
         self._prefill = Prefill(self.target, seq.prompt_ids, row, prefix=prefix, logits_for="last", **every,
@@ -189,7 +189,7 @@ class Decoder:
 
     @in_decode_threads
     def advance(self, budget: int | None = None) -> tuple[Sequence | None, int]:
-        """Prefill the next ``budget`` prompt tokens of the sequence ``begin`` started (at least one chunk; None:
+        """Prefill the next ``budget`` prompt tokens of the sequence ``begin`` started (at least one token; None:
         the rest). When its prompt is done it joins the running batch (rows 0..B-1: moved to row B if a sequence
         left meanwhile) with its first token. Returns (that sequence, or None while its prefill goes on; the
         prompt tokens computed). A prefill that raises leaves no trace: its row is free again."""

@@ -44,6 +44,31 @@ def test_the_tile_kernel_on_emulated_tiles_gives_the_reference_bits_for_every_ro
         assert torch.equal(got, ref[:M]), M
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_the_tile_kernel_in_row_blocks_gives_the_reference_bits(qtype):
+    """Rows taken in blocks of groups of 16 (each block over every column tile, dw::amx_block_groups): one group,
+    two (40 rows: a block of two, then the last group overlapping the one before it alone), all of them."""
+    ext = extension()
+    x, w, bits, ref = _case(qtype, 37, rows=72)
+    assert ext.amx_block_groups(8960) >= 2 and ext.amx_block_groups(1 << 20) == 1  # from the bytes: at least one
+    try:
+        for groups in (1, 2, 3, 0):
+            ext.set_amx_block_groups(groups)
+            for M in (17, 32, 40, 48, 72):
+                assert torch.equal(ext.kq_amx(x[:M].contiguous(), w, bits, 37, True), ref[:M]), (groups, M)
+                if not _hardware_skip():
+                    assert torch.equal(ext.kq_amx(x[:M].contiguous(), w, bits, 37, False), ref[:M]), (groups, M)
+    finally:
+        ext.set_amx_block_groups(0)
+
+
+def test_the_row_tuning_times_long_calls_on_a_leading_part_of_its_matrix():
+    w = torch.arange(10 * 64, dtype=torch.uint8)  # 10 tiles of 16 columns, 64 bytes each
+    part, N, K = k._leading((w, 160, 512), 0.25)
+    assert (N, K) == (32, 512) and torch.equal(part, w[:128])
+    assert k._leading((w, 160, 512), 1.0)[1] == 160 and k._leading((w, 160, 512), 0.01)[1] == 16
+
+
 def _hardware_skip() -> str:
     info = amx_info()
     if info["state"] == "verified":

@@ -190,12 +190,15 @@ def test_long_prefill_takes_the_gemm_path_and_stays_close(hf_folder):
     from draftwise import SamplingParams, SpeculativeDecoder
     from draftwise.models import load_model
 
+    from draftwise.models.transformer import EXACT_MAX_T
+
     lm = load_model(str(hf_folder), "bf16", progress=False)
     m = lm.model
-    toks = torch.randint(0, m.config.vocab_size, (1, 100), generator=torch.Generator().manual_seed(0))
-    a, b = m.new_cache(1, 128), m.new_cache(1, 128)
-    bulk = m.forward(toks, a).logits  # T = 100: GEMM path
-    exact = torch.cat([m.forward(toks[:, i:i + 25], b).logits for i in range(0, 100, 25)], dim=1)
+    n = EXACT_MAX_T + 12  # past the exact path's limit: one GEMM pass
+    toks = torch.randint(0, m.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    a, b = m.new_cache(1, n), m.new_cache(1, n)
+    bulk = m.forward(toks, a).logits  # GEMM path
+    exact = torch.cat([m.forward(toks[:, i:i + n // 4], b).logits for i in range(0, n, n // 4)], dim=1)
     assert not torch.equal(bulk, exact)  # really a different path
     torch.testing.assert_close(bulk, exact, atol=0.05 * float(exact.abs().max()), rtol=0.05)
     dw = SpeculativeDecoder(lm, lm, progress=False)
@@ -212,10 +215,13 @@ def test_exact_prefill_keeps_fp32_numbers_for_long_prompts(hf_folder, monkeypatc
     from draftwise.models import load_model
 
     monkeypatch.setattr(kernels, "_bulk_pays", lambda: True)  # a CPU where the bf16 bulk path runs
+    from draftwise.models.transformer import EXACT_MAX_T
+
     m = load_model(str(hf_folder), "fp32", progress=False).model
-    toks = torch.randint(0, m.config.vocab_size, (1, 100), generator=torch.Generator().manual_seed(0))
-    a, b, c = m.new_cache(1, 128), m.new_cache(1, 128), m.new_cache(1, 128)
-    exact = torch.cat([m.forward(toks[:, i:i + 25], b).logits for i in range(0, 100, 25)], dim=1)
+    n = EXACT_MAX_T + 12
+    toks = torch.randint(0, m.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    a, b, c = m.new_cache(1, n), m.new_cache(1, n), m.new_cache(1, n)
+    exact = torch.cat([m.forward(toks[:, i:i + n // 4], b).logits for i in range(0, n, n // 4)], dim=1)
     with kernels.exact_prefill():
         kept = m.forward(toks, a).logits
     bulk = m.forward(toks, c).logits
@@ -267,7 +273,7 @@ def test_long_prefill_through_the_compiled_row_ops_matches_torch_ops(monkeypatch
     toks = torch.randint(0, TINY.vocab_size, (2, cached + T), generator=torch.Generator().manual_seed(4))
 
     def prefill():
-        c = m.new_cache(2, 128)
+        c = m.new_cache(2, cached + T)
         if cached:
             m.forward(toks[:, :cached], c)
         return m.forward(toks[:, cached:], c).logits, c

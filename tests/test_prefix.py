@@ -322,13 +322,13 @@ def test_a_long_prompt_prefills_between_steps_with_the_same_tokens(model, leave)
 
 def test_a_prefill_aborted_or_failed_leaves_its_row_free(model, monkeypatch):
     dec = Decoder(model, None, FixedGamma(1), rows=1, capacity=CTX)
-    first = Sequence(tokens(4 * C, seed=23), SamplingParams(max_tokens=4))
+    first = Sequence(tokens(PREFILL_CHUNK + 4 * C, seed=23), SamplingParams(max_tokens=4))  # prefilled in chunks
     with torch.inference_mode():
         dec.begin(first)
-        dec.advance(C)
+        assert dec.advance(C) == (None, C)  # a budget of C tokens: a chunk of C, the prompt not done
         dec.abort(first)
         assert first.finish_reason == "abort" and dec.prefilling is None and dec.free_rows == 1
-        second = Sequence(tokens(3 * C, seed=24), SamplingParams(max_tokens=4))
+        second = Sequence(tokens(PREFILL_CHUNK + 3 * C, seed=24), SamplingParams(max_tokens=4))
         dec.begin(second)
         real, calls = model.forward, {"n": 0}
 

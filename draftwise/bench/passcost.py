@@ -5,7 +5,7 @@ Speculative decoding pays only when a pass over γ + 1 tokens costs about what a
 table is the shape every drafter's speed-up is bounded by (``gamma.py`` prices steps with it). Each cell is
 the median over ``repeats`` rounds of the fastest of two timings of a forward after ``context`` cached
 tokens (all T positions' logits, as verification needs them); prefill is a P-token prompt from an empty
-cache as the decode loop prefills it (``prefix.prefill``: exact chunks of 32 tokens; the last position's
+cache as the decode loop prefills it (``prefix.prefill``: exact chunks of up to 128 tokens; the last position's
 logits).
 
     draftwise bench-forward [--target NAME|GGUF] [--sizes 1,2,4,8,16,32] [--llama] [--out DIR]

@@ -9,7 +9,7 @@ from ..api import DEFAULT_DRAFT, DEFAULT_TARGET, THREADS_HELP, ModelSpec, setup_
 from ..drafters import registry
 from ..errors import InvalidParameterError
 from ..gamma import parse_gamma
-from ..prefix import DEFAULT_PREFIX_CACHE_DISK_MB, DEFAULT_PREFIX_CACHE_MB, PREFILL_CHUNK
+from ..prefix import BLOCK, DEFAULT_PREFIX_CACHE_DISK_MB, DEFAULT_PREFIX_CACHE_MB
 
 DEFAULT_METHOD = "auto"  # --method of generate and chat
 SERVE_DEFAULT_METHOD = "auto"  # --method of serve and bench-serve
@@ -127,7 +127,7 @@ def add_model_args(p: argparse.ArgumentParser, prefix_cache_mb: float = DEFAULT_
                         "set calibrated once for the target and cached in $DRAFTWISE_HOME/layerskip)")
     p.add_argument("--prefix-cache-mb", type=non_negative_float, default=prefix_cache_mb, metavar="MB",
                    help=f"MiB of prompt keys and values each model keeps, so that a later prompt starting with "
-                        f"the same {PREFILL_CHUNK}-token blocks (a chat's history, a shared system prompt) skips "
+                        f"the same {BLOCK}-token blocks (a chat's history, a shared system prompt) skips "
                         f"their prefill; the output is the same bits either way; 0 turns it off (default "
                         f"{prefix_cache_mb:g}{prefix_why})")
     if not disk:

@@ -587,8 +587,15 @@ def _kq6_loop_name(mask: int) -> str:
 
 
 AMX_MARGIN = 0.05  # the tiles take a format's calls from a row count on only where they are this much faster
-AMX_ROWS = (16, 24, 32)  # the row counts timed (a prefill chunk and the longest verification: 32)
+AMX_ROWS = (16, 24, 32, 64, 128)  # the row counts timed (verification up to 32, prompt chunks up to 128)
 AMX_NEVER = 1 << 30  # min rows where the tiles never won: every call on AVX512-VNNI
+
+
+def _leading(matrix: tuple[torch.Tensor, int, int], fraction: float) -> tuple[torch.Tensor, int, int]:
+    """The first ``fraction`` of a packed (codes, N, K) matrix's columns, in whole tiles of 16: (codes, N', K)."""
+    w, N, K = matrix
+    tiles = max(1, int(N // 16 * fraction))
+    return w[:tiles * (w.numel() // (N // 16))], 16 * tiles, K
 
 
 def _amx_min_rows(times: dict[int, dict[str, float]]) -> int:
@@ -628,9 +635,12 @@ def _tune_amx(ext) -> None:
             before = ext.amx_min_rows(fmt)
             try:
                 matrix = _streamed_matrix(ext, fmt, 1536)
-                times = {rows: _time_choices(ext, fmt, rows, {"tiles": lambda f=fmt: ext.set_amx_min_rows(f, 1),
-                                                              "vnni": lambda f=fmt: ext.set_amx_min_rows(f, AMX_NEVER)},
-                                             matrix=matrix) for rows in AMX_ROWS}
+                choices = {"tiles": lambda f=fmt: ext.set_amx_min_rows(f, 1),
+                           "vnni": lambda f=fmt: ext.set_amx_min_rows(f, AMX_NEVER)}
+                # past 32 rows a call is compute-bound: a leading part of the matrix (from memory still, 64 MB at
+                # 128 rows) keeps each timing as short as the 32-row one
+                times = {rows: _time_choices(ext, fmt, rows, choices, matrix=_leading(matrix, min(1.0, 32 / rows)))
+                         for rows in AMX_ROWS}
                 del matrix
             finally:
                 ext.set_amx_min_rows(fmt, before)

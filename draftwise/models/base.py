@@ -21,10 +21,10 @@ from typing import Literal, Protocol
 
 import torch
 
-# The most tokens one verifying forward feeds a row (a token tree: the root plus its nodes): forwards of at
-# most this many new tokens run the row-by-row attention that keeps every token's scores the same bits
-# whatever was fed beside it (models/transformer.py), so a tree's output equals the chain's. The decode loop
-# cuts drafts to it, and drafters that size their own trees (lookahead, auto) stay within it.
+# The most tokens one verifying forward feeds a row (a token tree: the root plus its nodes): within the forwards
+# that run the row-by-row attention keeping every token's scores the same bits whatever was fed beside it
+# (models/transformer.py EXACT_MAX_T, which prompt chunks use up to its end), so a tree's output equals the
+# chain's. The decode loop cuts drafts to it, and drafters that size their own trees (lookahead, auto) stay within it.
 MAX_TREE_TOKENS = 32
 
 

@@ -218,7 +218,7 @@ class EngineConfig:
     max_batch: int = 16
     max_model_len: int | None = None  # default: min(model context, 4096)
     max_queue: int = 64
-    # prompt tokens computed between two decode steps (at least one 32-token chunk): a longer prompt goes on after
+    # prompt tokens computed between two decode steps (in chunks of up to 128): a longer prompt goes on after
     # the next step, so a running stream waits ~2 s at most for the 1.5B on 2 AMD Zen 4 cores, not a whole prompt
     # (a 1378-token prompt: 10 s at 2048, 3.9 s at 512, 1.9 s at 256; its own first token 9.6-10.2 s each way)
     max_prefill_tokens: int = 256

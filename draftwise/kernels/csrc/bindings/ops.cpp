@@ -458,5 +458,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           TORCH_CHECK(rows >= 1 && rows <= (1 << 30) && dw::amx_set_min_rows((int)fmt, (int)rows),
                       "set_amx_min_rows: format Q4_K (12) or Q6_K (14) and rows in 1..2^30, got ", fmt, ", ", rows);
         }, "the fewest rows of a call of format fmt that the amx path runs on the tiles: speed only, the same bits");
+  m.def("amx_block_groups", &dw::amx_block_groups, "the most groups of 16 rows the tile kernel takes per block at K");
+  m.def("set_amx_block_groups", &dw::amx_set_block_groups,
+        "the tile kernel's groups of 16 rows per block (0: from their bytes): speed only, the same bits");
   m.def("kq_amx", &kq_amx, "the K-quant rule on the AMX tile kernel, any rows, this thread (emulated: any CPU)");
 }

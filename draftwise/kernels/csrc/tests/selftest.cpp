@@ -469,9 +469,9 @@ int check_kblock(const char* const* names, int npaths) {
 }
 
 
-// The AMX tile kernel on emulated tiles for 1-33 and 40 rows, both formats, through the same check (in a
-// forked child) that verifies the hardware kernel on a CPU with AMX; and the check must refuse a kernel
-// whose result differs in one bit.
+// The AMX tile kernel on emulated tiles for 1-33 and 40 rows (in row blocks of 1, 2 and all groups of 16),
+// both formats, through the same check (in a forked child) that verifies the hardware kernel on a CPU with
+// AMX; and the check must refuse a kernel whose result differs in one bit.
 int check_amx() {
   std::string emu, flipped;
   const bool ok = dw::amx_verify(1, &emu), refused = !dw::amx_verify(2, &flipped);

@@ -279,8 +279,8 @@ using Kernel = void (*)(const KqArgs&, int64_t, int64_t);
 void emulated(const KqArgs& a, int64_t t0, int64_t t1) { emu::kq_amx<emu::Ops>(a, t0, t1); }
 
 // The check itself (in the child): random GGUF blocks of both formats, two shapes (one with a partial last
-// tile), the kernel on the first M rows for every M = 1..33 (one / two A tiles, two passes) and 40, each
-// against the reference's rows. "" when every bit agrees, else the first difference.
+// tile), the kernel on the first M rows for every M = 1..33 (one / two A tiles, two passes) and 40, in row blocks
+// of every group, of one and of two (amx_set_block_groups), each against the reference's rows. "" when every bit agrees, else the first difference.
 // the checks' random numbers (xorshift64*): the same sequence for a seed on every machine
 struct Rng {
   uint64_t st;
@@ -321,10 +321,12 @@ std::string check_kernel(Kernel kernel, bool flip) {
       a.act = {q.data(), d.data(), b16n.data(), b32.data(), e.data(), e32.data(), b32p.data()};
       a.out = ref.data();
       kq_ref(a, 0, kq_tiles(N));
-      for (int64_t m = 1; m <= M; m = m == 33 ? M : m + 1) {
+      for (int64_t run = 0, m = 1; m <= M; m = run % 3 == 2 ? (m == 33 ? M : m + 1) : m, ++run) {
         std::fill(out.begin(), out.end(), -1.0f);
         a.M = m, a.out = out.data();
+        amx_set_block_groups(run % 3);  // row blocks of every group, of 1, of 2 (40 rows: 2 + the overlapping last)
         kernel(a, 0, kq_tiles(N));
+        amx_set_block_groups(0);
         if (flip && m == 17) out[16 * N + 3] = -out[16 * N + 3] + 1.0f;  // the check must see a difference
         for (int64_t i = 0; i < m * N; ++i)
           if (std::memcmp(&out[i], &ref[i], 4)) {
@@ -422,7 +424,7 @@ bool check_in_child(int mode, std::string* reason) {
     return false;
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && msg.empty()) {
-    *reason = "the tile kernel gave the reference's bits (Q4_K and Q6_K, 1-33 and 40 rows)";
+    *reason = "the tile kernel gave the reference's bits (Q4_K and Q6_K, 1-33 and 40 rows, in row blocks of 1, 2 and all groups)";
     return true;
   }
   *reason = msg.empty() ? "the check exited with status " + std::to_string(WEXITSTATUS(status)) : msg;
@@ -434,7 +436,7 @@ bool check_in_child(int mode, std::string* reason) {
   }
   *reason = child_check(mode);  // the emulation cannot fault
   const bool ok = reason->empty();
-  if (ok) *reason = "the tile kernel gave the reference's bits (Q4_K and Q6_K, 1-33 and 40 rows)";
+  if (ok) *reason = "the tile kernel gave the reference's bits (Q4_K and Q6_K, 1-33 and 40 rows, in row blocks of 1, 2 and all groups)";
   return ok;
 #endif
 }
@@ -560,6 +562,14 @@ bool kq_amx_hardware(const KqArgs& a, int64_t t0, int64_t t1) {
   return false;
 #endif
 }
+
+std::atomic<int64_t> g_block_groups{0};  // 0: from kAmxBlockBytes
+int64_t amx_block_groups(int64_t K) {
+  const int64_t fixed = g_block_groups.load(std::memory_order_relaxed);
+  const int64_t g = fixed > 0 ? fixed : kAmxBlockBytes / (2 * K * 16);
+  return g < 1 ? 1 : g;
+}
+void amx_set_block_groups(int64_t groups) { g_block_groups.store(groups > 0 ? groups : 0); }
 
 int amx_min_rows(int fmt) {
   const int s = fmt_slot(fmt);
