@@ -614,7 +614,8 @@ def _tune_amx(ext) -> None:
     cycles for 1 or 16 rows, and the weights' B operands are built once per call), AVX512-VNNI's grows with them: on
     an Intel Xeon (2026-12-07, 2 cores, the 1.5B's matrices from memory) the tiles lost at 8-24 rows (Q4_K 16 rows:
     83 against 64 ms) and were within -5 % / +10 % at 32 (Q4_K 121 against 131 ms, Q6_K 53 against 59 in one run,
-    129 / 123 and 50 / 55 in another). So both are timed once from memory at ``AMX_ROWS`` rows (~3 s), and the tiles
+    129 / 123 and 50 / 55 in another), ahead at 64-128 rows, a prompt chunk's (Q4_K K = 1536 at 128 rows: 275 against
+    374 ms). So both are timed once from memory at ``AMX_ROWS`` rows (~5 s), and the tiles
     take the calls from the fewest rows where they won by ``AMX_MARGIN`` there and at every larger count timed, else
     none (``AMX_NEVER``). Speed only, the same bits (the AMX check and the selftest compare the tiles with
     the reference). Only where the amx path runs; cached like ``_tune_multi``; ``DRAFTWISE_TUNE=0`` (or
