@@ -1,3 +1,4 @@
+// Build: g++ -O2 -mamx-tile -mamx-int8 -mavx512f ub4.cpp -o ub4; ./ub4 M K VARIANT
 // per-group orderings of the Q4_K tile work (16 tdp, C stored per group), A (M x K) strided, B in L1
 #include <immintrin.h>
 #include <cstdio>
