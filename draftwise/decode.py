@@ -178,8 +178,8 @@ class Decoder:
             self.target.encode(row, seq.encoder_ids)
         # a drafter whose context is the target's states at every prompt position (eagle) gets them all
         every = {"all_hidden": True} if self.needs.prompt_hidden else {}
-        # the prompt in exact chunks (prefix.PREFILL_CHUNK tokens), after the longest prefix the cache holds (not where the drafter
-        # reads every prompt position's state: the cache keeps keys and values only)
+        # the prompt in exact chunks (prefix.PREFILL_CHUNK tokens), after the longest prefix the cache holds (not
+        # where the drafter reads every prompt position's state: the cache keeps keys and values only)
         prefix = self.prefix_cache if seq.encoder_ids is None and not every else None
         self._prefill = Prefill(self.target, seq.prompt_ids, row, prefix=prefix, logits_for="last", **every,
                                 **self._taps)

@@ -64,10 +64,10 @@ bool amx_set_min_rows(int fmt, int rows);
 // The tile kernel takes a call's rows in blocks of groups of 16 whose activation parts (2 K bytes a row) fit
 // kAmxBlockBytes (of the 2 MB L2 every AMX Xeon has had so far), each block over all of a thread's columns in
 // turn, so that a block's parts stay in L2 while the weights go by (they are read once per block): the 1.5B's
-// ffn_down (K = 8960) at 128 rows read 2.3 MB of parts per 16 columns from beyond L2 and took 94 ms against
-// AVX512-VNNI's 79 (its 14 Q4_K matrices; in two blocks 75 against 83). amx_block_groups(K): the most groups
-// a block holds (at least one); amx_set_block_groups(n > 0) fixes it (the check runs blocks of 1 and 2
-// groups), 0 restores it.
+// ffn_down (K = 8960) at 128 rows has 2.3 MB of parts, read again for every 16 columns; its 14 Q4_K matrices
+// took 77-80 ms in one block, 73-75 in two (Q6_K 74-75, 71-75: a few per cent; an Intel Xeon, 2026-12-07).
+// amx_block_groups(K): the most groups a block holds (at least one); amx_set_block_groups(n > 0) fixes it (the
+// check runs blocks of 1 and 2 groups), 0 restores it.
 constexpr int64_t kAmxBlockBytes = 3 << 19;  // 1.5 MiB
 int64_t amx_block_groups(int64_t K);
 void amx_set_block_groups(int64_t groups);

@@ -279,8 +279,9 @@ using Kernel = void (*)(const KqArgs&, int64_t, int64_t);
 void emulated(const KqArgs& a, int64_t t0, int64_t t1) { emu::kq_amx<emu::Ops>(a, t0, t1); }
 
 // The check itself (in the child): random GGUF blocks of both formats, two shapes (one with a partial last
-// tile), the kernel on the first M rows for every M = 1..33 (one / two A tiles, two passes) and 40, in row blocks
-// of every group, of one and of two (amx_set_block_groups), each against the reference's rows. "" when every bit agrees, else the first difference.
+// tile), the kernel on the first M rows for every M = 1..33 (one / two A tiles, two passes) and 40, in row
+// blocks of every group, of one and of two (amx_set_block_groups), each against the reference's rows. "" when
+// every bit agrees, else the first difference.
 // the checks' random numbers (xorshift64*): the same sequence for a seed on every machine
 struct Rng {
   uint64_t st;
@@ -289,6 +290,9 @@ struct Rng {
     return (uint32_t)((st * 0x2545F4914F6CDD1Dull) >> 32);
   }
 };
+
+const char* const kVerifiedReason =
+    "the tile kernel gave the reference's bits (Q4_K and Q6_K, 1-33 and 40 rows, in row blocks of 1, 2 and all groups)";
 
 std::string check_kernel(Kernel kernel, bool flip) {
   Rng u32{0x3C6EF372FE94F82Bull};
@@ -424,7 +428,7 @@ bool check_in_child(int mode, std::string* reason) {
     return false;
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && msg.empty()) {
-    *reason = "the tile kernel gave the reference's bits (Q4_K and Q6_K, 1-33 and 40 rows, in row blocks of 1, 2 and all groups)";
+    *reason = kVerifiedReason;
     return true;
   }
   *reason = msg.empty() ? "the check exited with status " + std::to_string(WEXITSTATUS(status)) : msg;
@@ -436,7 +440,7 @@ bool check_in_child(int mode, std::string* reason) {
   }
   *reason = child_check(mode);  // the emulation cannot fault
   const bool ok = reason->empty();
-  if (ok) *reason = "the tile kernel gave the reference's bits (Q4_K and Q6_K, 1-33 and 40 rows, in row blocks of 1, 2 and all groups)";
+  if (ok) *reason = kVerifiedReason;
   return ok;
 #endif
 }
