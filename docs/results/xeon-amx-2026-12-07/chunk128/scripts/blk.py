@@ -1,22 +1,7 @@
 # ruff: noqa
-import time, sys
-import draftwise  # noqa
-import torch
-from draftwise.models import load_model
-from draftwise.kernels import QLinear, extension
-ext = extension()
-lm = load_model("qwen2.5-coder-1.5b-instruct")
-allm = [m for m in lm.model.modules() if isinstance(m, QLinear) and m.out_features < 100000]
-def run(ms, M):
-    xs = {m.in_features: torch.randn(M, m.in_features) for m in ms}
-    calls = [(xs[m.in_features], m.q.view(-1), m.bits, m.out_features) for m in ms]
-    for c in calls: ext.qmm_kq(*c)
-    best = 1e9
-    for r in range(3):
-        t0 = time.perf_counter()
-        for c in calls: ext.qmm_kq(*c)
-        best = min(best, time.perf_counter() - t0)
-    return best
+# the tiles' row blocks: K = 8960's matrices at each row count for 1 / 2 / 3 / 4 / 8 groups a block and from the bytes (0)
+import sys
+from matrices import allm, ext, run
 ext.set_isa("amx"); ext.set_amx_min_rows(12, 1); ext.set_amx_min_rows(14, 1)
 Ms = [int(x) for x in sys.argv[1].split(",")]
 for rnd in range(2):
