@@ -6,7 +6,7 @@ table is the shape every drafter's speed-up is bounded by (``gamma.py`` prices s
 the median over ``repeats`` rounds of the fastest of two timings of a forward after ``context`` cached
 tokens (all T positions' logits, as verification needs them); prefill is a P-token prompt from an empty
 cache as the decode loop prefills it (``prefix.prefill``: exact chunks of up to 128 tokens; the last position's
-logits).
+logits), the median of ``repeats`` rounds after one warm-up round.
 
     draftwise bench-forward [--target NAME|GGUF] [--sizes 1,2,4,8,16,32] [--llama] [--out DIR]
 """
@@ -44,15 +44,15 @@ def _timed(run, rewind, context: int, sizes, repeats: int, prefill) -> dict:
                 run(context, context + T, False)
                 best = min(best, time.perf_counter() - t0)
             rounds[T].append(best)
-    pre = {}
-    for P in prefill or ():
-        times = []
-        for _ in range(max(1, repeats // 2)):
+    times: dict[int, list[float]] = {P: [] for P in prefill or ()}
+    for r in range(repeats + 1):  # round 0 warms each length up (its first chunked pass) and is not counted
+        for P in times:
             rewind(0)
             t0 = time.perf_counter()
             run(0, P, True)
-            times.append(time.perf_counter() - t0)
-        pre[P] = P / statistics.median(times)
+            if r:
+                times[P].append(time.perf_counter() - t0)
+    pre = {P: P / statistics.median(v) for P, v in times.items()}
     rewind(0)
     return {"forward_s": {T: statistics.median(v) for T, v in rounds.items()}, "prefill_tok_s": pre}
 
