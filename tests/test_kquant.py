@@ -161,6 +161,21 @@ def test_product_matches_float64_and_every_path_and_row_count_gives_the_same_bit
             assert torch.equal(ext.qmm_kq(x[7:8].contiguous(), w, code.bits, N), ref[7:8]), isa  # a row alone
 
 
+def test_a_call_scratch_larger_than_the_kept_buffer_and_the_calls_after_it():
+    """A call's scratch (ops.cpp kq_call) comes from a buffer kept per thread up to 16 MB, not zero-filled: a
+    call past that (its own buffer), then smaller and growing calls reusing the kept one, give the bits of the
+    same rows computed in calls of 64."""
+    N, K = 16, 8192
+    code = repack(random_blocks("Q4_K", N, K, seed=9), "Q4_K", (N, K))
+    w = code.q.view(-1)
+    x = torch.randn(2100, K, generator=torch.Generator().manual_seed(4))  # 17.2 MB of activation codes
+    ext = extension()
+    ref = torch.cat([ext.qmm_kq(x[i:i + 64].contiguous(), w, code.bits, N) for i in range(0, 2100, 64)])
+    assert torch.equal(ext.qmm_kq(x, w, code.bits, N), ref)
+    for M in (3, 700, 5, 1200):  # the kept buffer grown, then reused for fewer rows
+        assert torch.equal(ext.qmm_kq(x[-M:].contiguous(), w, code.bits, N), ref[-M:]), M
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_refined_blocks_bring_the_product_closer_to_exact(qtype):
     """Where a super-block's blocks of 32 differ in size (outlier channels), the power-of-two refinement keeps
