@@ -342,3 +342,30 @@ def test_agreement_command_on_a_tiny_model(hf_folder, prompts_file, tmp_path, ca
         assert v["identical"] < 1.0 or v["forced_top1"] == 1.0
     assert "identical continuations" in capsys.readouterr().out
     assert main(["agreement", "--target", str(hf_folder), "--variants", "q3"]) == 2
+
+
+def test_the_commit_is_dirty_for_edits_to_code_not_to_documentation(tmp_path):
+    """A report names the checkout's commit; "+dirty" only where what runs was edited (docs/ and *.md are not)."""
+    import shutil
+    import subprocess
+
+    from draftwise.bench.harness import checkout_commit
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    assert checkout_commit(tmp_path) is None  # not a checkout (an installed wheel)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    (tmp_path / "docs").mkdir()
+    for f in ("run.py", "README.md", "docs/results.json"):
+        (tmp_path / f).write_text("1\n")
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert checkout_commit(tmp_path) == head
+    (tmp_path / "README.md").write_text("2\n")
+    (tmp_path / "docs/results.json").write_text("2\n")
+    (tmp_path / "new.py").write_text("untracked\n")
+    assert checkout_commit(tmp_path) == head
+    (tmp_path / "run.py").write_text("2\n")
+    assert checkout_commit(tmp_path) == head + "+dirty"

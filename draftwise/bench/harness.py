@@ -106,28 +106,35 @@ def _versions(llama: LlamaPeers | None = None) -> dict:
     return v
 
 
-def _provenance() -> dict:
-    """Where the numbers come from: the CPU's name and family (/proc/cpuinfo), the kernel paths used, and the
-    git commit of the checkout draftwise runs from (None for an installed wheel; "+dirty" with local edits)."""
+def checkout_commit(repo: Path) -> str | None:
+    """The short commit of the git checkout at ``repo`` (None where it is none: an installed wheel), with
+    "+dirty" where tracked files other than the documentation (``docs/``, ``*.md``) differ from it: edits to
+    what runs, not to what describes it."""
     import subprocess
 
+    if not (repo / ".git").exists():
+        return None
+    git = ["git", "-C", str(repo)]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)docs", ":(exclude)*.md"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
+def _provenance() -> dict:
+    """Where the numbers come from: the CPU's name and family (/proc/cpuinfo), the kernel paths used, and the
+    git commit of the checkout draftwise runs from (``checkout_commit``)."""
     from ..kernels import cpu_fields, cpu_name, kernel_info
 
     cpu = {k: v for k, v in cpu_fields().items() if k in ("cpu family", "model", "CPU implementer", "CPU part")}
     name = cpu_name()
     info = kernel_info()
-    repo = Path(__file__).resolve().parents[2]
-    commit = None
-    if (repo / ".git").exists():
-        try:
-            git = ["git", "-C", str(repo)]
-            commit = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                                    timeout=10, check=True).stdout.strip()
-            dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                   text=True, timeout=10).stdout.strip()
-            commit += "+dirty" if dirty else ""
-        except (OSError, subprocess.SubprocessError):
-            commit = None
+    commit = checkout_commit(Path(__file__).resolve().parents[2])
     return {"cpu": name, "cpu_id": "; ".join(f"{k} {v}" for k, v in cpu.items()), "isa": info["isa"],
             "isa_multi_row": info.get("isa_multi_row"), "commit": commit}
 
