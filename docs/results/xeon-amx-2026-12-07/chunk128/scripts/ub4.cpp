@@ -39,6 +39,27 @@ int main(int argc, char** argv){
       for(int ch=0;ch<4;++ch){ _tile_loadd(2, Bm+ch*1024,64); _tile_loadd(3,Bm+4096+ch*1024,64);
         _tile_loadd(1,xh+ch*64,K); _tile_dpbsud(6,1,2); _tile_dpbsud(7,1,3); }
       _tile_stored(4, C, 64); _tile_stored(5, C+256, 64);
+    } else if (v == 8) {  // two passes, A alternating tmm0 / tmm1 within a pass
+      _tile_zero(4); _tile_zero(5);
+      for(int ch=0;ch<4;++ch){ _tile_loadd(2, Bm+ch*1024,64); _tile_loadd(3,Bm+4096+ch*1024,64);
+        if (ch & 1) { _tile_loadd(1,xl+ch*64,K); _tile_dpbsud(4,1,2); _tile_dpbsud(5,1,3); }
+        else { _tile_loadd(0,xl+ch*64,K); _tile_dpbsud(4,0,2); _tile_dpbsud(5,0,3); } }
+      _tile_stored(6, C+512, 64); _tile_stored(7, C+768, 64);
+      _tile_zero(6); _tile_zero(7);
+      for(int ch=0;ch<4;++ch){ _tile_loadd(2, Bm+ch*1024,64); _tile_loadd(3,Bm+4096+ch*1024,64);
+        if (ch & 1) { _tile_loadd(0,xh+ch*64,K); _tile_dpbsud(6,0,2); _tile_dpbsud(7,0,3); }
+        else { _tile_loadd(1,xh+ch*64,K); _tile_dpbsud(6,1,2); _tile_dpbsud(7,1,3); } }
+      _tile_stored(4, C, 64); _tile_stored(5, C+256, 64);
+    } else if (v == 9) {  // two passes, B1 of a pass's chunk order reversed in the second (B reuse across the pass boundary)
+      _tile_zero(4); _tile_zero(5);
+      for(int ch=0;ch<4;++ch){ _tile_loadd(2, Bm+ch*1024,64); _tile_loadd(3,Bm+4096+ch*1024,64);
+        _tile_loadd(0,xl+ch*64,K); _tile_dpbsud(4,0,2); _tile_dpbsud(5,0,3); }
+      _tile_stored(6, C+512, 64); _tile_stored(7, C+768, 64);
+      _tile_zero(6); _tile_zero(7);
+      _tile_loadd(1,xh+3*64,K); _tile_dpbsud(6,1,2); _tile_dpbsud(7,1,3);
+      for(int ch=2;ch>=0;--ch){ _tile_loadd(2, Bm+ch*1024,64); _tile_loadd(3,Bm+4096+ch*1024,64);
+        _tile_loadd(1,xh+ch*64,K); _tile_dpbsud(6,1,2); _tile_dpbsud(7,1,3); }
+      _tile_stored(4, C, 64); _tile_stored(5, C+256, 64);
     } else if (v == 2) {  // A lo/hi loads hoisted: chunk pairs alternate B tiles? (B1 of chunk in 2, B2 in 3), A in 0/1
       _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
       for(int ch=0;ch<4;++ch){ _tile_loadd(0,xl+ch*64,K); _tile_loadd(2, Bm+ch*1024,64);
