@@ -565,6 +565,29 @@ def test_cli_errors_are_one_line(capsys, hf_folder):
     assert main(["bench-serve", "--target", str(hf_folder), "--method", "ar", "--modes", "fast"]) == 2
 
 
+def test_bench_serve_json_into_a_new_folder_and_an_unwritable_one_refused_first(capsys, hf_folder, tmp_path):
+    """``bench-serve --json`` creates the file's folder; a destination that cannot be written is refused before the
+    benchmark runs (it used to end minutes of measuring in a traceback, the numbers lost)."""
+    import json
+
+    from draftwise.cli import main
+
+    out = tmp_path / "new" / "deeper" / "c1.json"
+    assert main(["bench-serve", "--target", str(hf_folder), "--method", "ar", "--modes", "ar", "--concurrency", "1",
+                 "--requests", "2", "--max-tokens", "4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 1 and rows[0]["mode"] == "ar" and rows[0]["requests"] == 2
+    capsys.readouterr()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for bad in (blocker / "c1.json", tmp_path / "new"):  # a folder below a file; a folder itself
+        assert main(["bench-serve", "--target", str(hf_folder), "--method", "ar", "--modes", "ar",
+                     "--json", str(bad)]) == 2
+        err = capsys.readouterr()
+        assert "cannot write --json" in err.err and "Traceback" not in err.err
+        assert "ar " not in err.out  # refused before any level ran
+
+
 def test_cli_serve_process(hf_folder):
     """``draftwise serve`` as a real process: binds 127.0.0.1, wants the API key, stops cleanly on Ctrl-C."""
     import os

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..api import ModelSpec, build_decoder, setup_threads, uses_draft_model
+from ..errors import InvalidParameterError
 from .engine import Engine, engine_config, with_overrides
 from .server import BackgroundServer
 
@@ -181,9 +184,25 @@ def run_url(url: str, model: str, levels: list[int], requests: int | None, max_t
     return results
 
 
+def _json_out(path: str | None) -> Path | None:
+    """The --json file, its folder created and the file opened for writing before minutes of benchmarking (a
+    run must not end in a traceback with its numbers lost)."""
+    if not path:
+        return None
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidParameterError(f"cannot write --json {out}: {e.strerror}") from None
+    if out.is_dir() or not os.access(out if out.exists() else out.parent, os.W_OK):
+        raise InvalidParameterError(f"cannot write --json {out}: " + ("a folder" if out.is_dir() else "permission denied"))
+    return out
+
+
 def cmd_bench_serve(args) -> int:
     if args.soak is not None:
         return _soak(args)
+    json_out = _json_out(args.json)
     if args.url:
         model = args.served_model_name or args.target
         print(f"bench-serve: {args.url}, model {model}, max_tokens {args.max_tokens}, "
@@ -192,8 +211,8 @@ def cmd_bench_serve(args) -> int:
         results = run_url(args.url, model, args.concurrency, args.requests, args.max_tokens)
     else:
         results = _bench_in_process(args)
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_out is not None:
+        with open(json_out, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
     return 0
 
