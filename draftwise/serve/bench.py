@@ -185,8 +185,8 @@ def run_url(url: str, model: str, levels: list[int], requests: int | None, max_t
 
 
 def _json_out(path: str | None) -> Path | None:
-    """The --json file, its folder created and the file opened for writing before minutes of benchmarking (a
-    run must not end in a traceback with its numbers lost)."""
+    """The --json file, its folder created and checked writable before minutes of benchmarking (a run must not
+    end in a traceback with its numbers lost)."""
     if not path:
         return None
     out = Path(path)
