@@ -21,7 +21,11 @@ cache; vLLM calls the block scheme automatic prefix caching.
 its chain key, under a sub-folder per model identity (weight file, format, kernel build: what decides the bits), so
 that the next process — a ``draftwise generate`` run again over the same long document, a restarted server — reads
 a prompt's keys and values instead of computing them (llama.cpp's ``--prompt-cache``), least recently used files
-first out past the folder's bound.
+first out past the folder's bound. The files are written by a thread of their own (``DiskBlocks.put_chain``), not
+by the engine's, which every running stream waits for, and at the lowest CPU priority: a 512 / 2048-token prompt
+of the 1.5B is 29 / 117 MB of fp32 keys and values; on an Intel Xeon ``store`` held its caller 30 / 418 ms writing
+them and 8 / 30 ms handing them over (the copy out of the cache row), medians of 5. Blocks waiting are served from
+memory (``docs/results/xeon-amx-2026-12-07/prefix-writer``).
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import atexit
 import threading
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +52,12 @@ BLOCK = 32  # tokens per cached block
 DEFAULT_PREFIX_CACHE_MB = 512
 DEFAULT_PREFIX_CACHE_DISK_MB = 4096  # MiB of block files a model keeps in --prefix-cache-dir
 DISK_FORMAT = 1  # the block files' layout: part of the folder's name
+# bytes of blocks that may wait for a folder's writer; a chain that does not fit waits for none of it (its start
+# first: a deeper block is useless without the blocks before it), and the drop is counted
+DISK_PENDING_BYTES = 256 << 20
+WRITER_NICE = 19  # the writer thread's nice value (Linux)
+PRUNE_EVERY = 64  # blocks the writer writes between two prunes of the folder when its queue never drains
+CLOSE_TIMEOUT_S = 30.0  # how long the end of a process waits for the writer's last files
 
 log = logging.getLogger("draftwise")
 
@@ -55,24 +66,46 @@ class DiskBlocks:
     """Blocks of one model's keys and values in ``folder`` (one ``<key>.safetensors`` file each, never pickle),
     least recently used (file modification time) first out past ``budget_bytes``. A file is written whole and
     renamed into place, so another process never reads half of one; a file that does not read back as the
-    shapes expected is a miss (and removed). Thread-safe through the ``PrefixCache`` that owns it."""
+    shapes expected is a miss (and removed). ``put_chain`` hands blocks to a writer thread (started with the
+    first, a daemon) and returns; until written they are served from memory (``has``, ``get``). ``flush`` waits
+    for the writer; ``close`` (also at the process's end) flushes and stops it. Thread-safe."""
 
-    def __init__(self, folder: Path | str, budget_bytes: int):
+    def __init__(self, folder: Path | str, budget_bytes: int, pending_bytes: int = DISK_PENDING_BYTES):
         self.folder = Path(folder)
         self.budget = int(budget_bytes)
+        self.pending_limit = int(pending_bytes)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.read_blocks = self.written_blocks = 0
+        self.read_blocks = self.written_blocks = self.dropped_blocks = 0
+        self._pending: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # blocks the writer has not written
+        self._order: deque[bytes] = deque()  # their keys, in the order to write them
+        self.pending_bytes = 0
+        self._cv = threading.Condition()
+        self._busy = False  # the writer holds a block it has taken from the queue
+        self._writer: threading.Thread | None = None
+        self._closed = False
+        self._since_prune = 0  # blocks written since the last prune
 
     def _path(self, key: bytes) -> Path:
         return self.folder / f"{key.hex()}.safetensors"
 
     def has(self, key: bytes) -> bool:
+        with self._cv:
+            if key in self._pending:
+                return True
         return self._path(key).is_file()
 
     def get(self, key: bytes, shape: tuple[int, ...], dtype: torch.dtype):
         """(k, v) of the block ``key``, or None: not kept, or not of ``shape`` and ``dtype``."""
         from safetensors.torch import load_file
 
+        with self._cv:
+            hit = self._pending.get(key)
+        if hit is not None:  # waiting for the writer: the tensors themselves
+            k, v = hit
+            if tuple(k.shape) == shape and k.dtype == dtype:
+                self.read_blocks += 1
+                return k, v
+            return None
         path = self._path(key)
         try:
             t = load_file(str(path))
@@ -97,9 +130,100 @@ class DiskBlocks:
             except OSError:  # removed meanwhile
                 pass
 
+    def put_chain(self, blocks: list[tuple[bytes, torch.Tensor, torch.Tensor]]) -> int:
+        """Hand a chain's blocks ((key, k, v), its start first; the tensors must not change afterwards) to the
+        writer: it writes the deepest first, so the chain's start is the most recently used file. As many of the
+        chain's first blocks as the pending bound leaves room for; the rest are dropped (counted). Returns the
+        blocks queued."""
+        size = lambda k, v: k.numel() * k.element_size() + v.numel() * v.element_size()  # noqa: E731
+        with self._cv:
+            if self._closed:
+                return 0
+            take, room = [], self.pending_limit - self.pending_bytes
+            for i, (key, k, v) in enumerate(blocks):
+                if key in self._pending:  # queued by an earlier chain: written in its turn
+                    continue
+                if size(k, v) > room:  # this block and every deeper one
+                    self.dropped_blocks += sum(b[0] not in self._pending for b in blocks[i:])
+                    break
+                take.append((key, k, v))
+                room -= size(k, v)
+            for key, k, v in reversed(take):
+                self._pending[key] = (k, v)
+                self._order.append(key)
+                self.pending_bytes += size(k, v)
+            if take:
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write_loop, name="draftwise-prefix-disk",
+                                                    daemon=True)
+                    self._writer.start()
+                    atexit.register(self.close)
+                self._cv.notify_all()
+        return len(take)
+
+    def _write_loop(self) -> None:
+        try:  # the lowest CPU priority (Linux: per thread): the engine's forwards first, the files in idle time
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):  # not Linux, or not allowed: the default priority
+            pass
+        while True:
+            with self._cv:
+                while not self._order and not self._closed:
+                    self._cv.wait()
+                if not self._order:  # closed and drained
+                    return
+                key = self._order.popleft()
+                k, v = self._pending[key]
+                self._busy = True
+            ok = False
+            try:
+                ok = self.put(key, k, v)
+            except Exception as e:  # never the writer's end: a block not written is a later miss
+                log.warning("draftwise: prefix cache block not written to %s (%s)", self.folder, e)
+            with self._cv:
+                del self._pending[key]
+                self.pending_bytes -= k.numel() * k.element_size() + v.numel() * v.element_size()
+                if not ok:  # a full disk: the rest of the queue would fail alike; none of it is written
+                    self.dropped_blocks += 1 + len(self._order)
+                    for rest in self._order:
+                        a, b = self._pending.pop(rest)
+                        self.pending_bytes -= a.numel() * a.element_size() + b.numel() * b.element_size()
+                    self._order.clear()
+                self._since_prune += 1
+                prune = not self._order or self._since_prune >= PRUNE_EVERY
+            if prune:  # when the queue is drained, and every PRUNE_EVERY blocks under steady traffic
+                self._since_prune = 0
+                try:
+                    self.prune()
+                except OSError as e:
+                    log.warning("draftwise: prefix cache folder %s not pruned (%s)", self.folder, e)
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block handed to the writer is written (or given up). False on ``timeout``."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._order and not self._busy, timeout)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Write what is pending (up to ``timeout`` seconds) and stop the writer; later chains are not kept."""
+        with self._cv:
+            if self._closed:
+                return
+        done = self.flush(timeout)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if not done:
+            log.warning("draftwise: prefix cache: %d blocks not written to %s at close", len(self._order), self.folder)
+        if self._writer is not None:
+            self._writer.join(timeout=1.0 if done else 0.0)
+            atexit.unregister(self.close)
+
     def put(self, key: bytes, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Write the block unless it is kept already (then mark it used). False where it could not be written (a
-        full disk, ...)."""
+        """Write the block now unless it is kept already (then mark it used). False where it could not be written
+        (a full disk, ...)."""
         from safetensors.torch import save_file
 
         path = self._path(key)
@@ -264,11 +388,8 @@ class PrefixCache:
                     added += 1
             self._touch([key for key in keys if key in self._blocks])
             self._evict()
-        if self.disk is not None:  # outside the lock: a long prompt writes tens of MB; the deepest first, so
-            for key, k, v in reversed(blocks):  # the chain's start is the most recently used file
-                if not self.disk.put(key, k, v):
-                    break
-            self.disk.prune()
+        if self.disk is not None:  # written by the folder's writer thread: a long prompt is tens of MB
+            self.disk.put_chain(blocks)
         return added
 
     def _touch(self, keys: list[bytes]) -> None:
@@ -288,7 +409,8 @@ class PrefixCache:
                "evicted_blocks": self.evicted_blocks}
         if self.disk is not None:
             out.update(disk_folder=str(self.disk.folder), disk_budget_bytes=self.disk.budget,
-                       disk_read_blocks=self.disk.read_blocks, disk_written_blocks=self.disk.written_blocks)
+                       disk_read_blocks=self.disk.read_blocks, disk_written_blocks=self.disk.written_blocks,
+                       disk_pending_blocks=len(self.disk._pending), disk_dropped_blocks=self.disk.dropped_blocks)
         return out
 
 

@@ -511,6 +511,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_train_head(args) -> int:
     from .api import setup_threads
+    from .cli.common import out_folder
     from .models import load_model
     from .models.registry import resolve
 
@@ -519,11 +520,13 @@ def cmd_train_head(args) -> int:
     if not 0.0 <= args.soft <= 1.0:
         raise InvalidParameterError(f"--soft must be in [0, 1], got {args.soft}")
     corpus_files(args.corpus)  # a bad path is an error before the model loads
+    if args.out:
+        out_folder(args.out, "--out")  # and so is a destination the heads could not be written to
     setup_threads(args.threads)
     lm = load_model(args.target, args.dtype, "native")
     src = resolve(args.target, progress=False)
     sha = target_identity(src)
-    out = Path(args.out) if args.out else default_heads_dir(src, sha, args.kind)
+    out = out_folder(args.out or default_heads_dir(src, sha, args.kind), "--out")  # before the training
     train_heads(lm.model, lm.tokenizer, kind=args.kind, target_name=args.target, target_sha=sha,
                 out=out, minutes=args.minutes, corpus=args.corpus, num_heads=args.num_heads,
                 vocab_size=args.vocab_size, fuse=args.fuse, soft=args.soft,

@@ -111,3 +111,50 @@ def test_chat_template(capsys, hf_folder):
     code, out, _ = run_cli(capsys, "generate", "hello", "--target", str(hf_folder), "--method", "ar", "--chat",
                            "--max-tokens", "4", "--json")
     assert code == 0 and json.loads(out)["stats"]["new_tokens"] >= 1
+
+
+# every command that writes its results last checks where they go first: a run of minutes (a benchmark, a soak,
+# a training) must not end in a traceback with its results lost
+@pytest.mark.parametrize("argv, flag", [
+    (["bench", "--methods", "ar", "--limit", "1", "--out"], "--out"),
+    (["bench-forward", "--sizes", "1", "--prefill", "", "--repeats", "1", "--out"], "--out"),
+    (["agreement", "--limit", "1", "--max-tokens", "1", "--out"], "--out"),
+    (["bench-serve", "--method", "ar", "--modes", "ar", "--json"], "--json"),
+    (["bench-serve", "--method", "ar", "--soak", "0.01", "--soak-out"], "--soak-out"),
+    (["train-head", "--minutes", "0.01", "--out"], "--out"),
+])
+def test_an_unwritable_destination_is_refused_before_the_work(argv, flag, capsys, hf_folder, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    # below a file; and the file itself where a folder is wanted, a folder where a file is
+    for bad in (blocker / "deeper", tmp_path if flag == "--json" else blocker):
+        assert main([argv[0], "--target", str(hf_folder), *argv[1:], str(bad)]) == 2, bad
+        out, err = capsys.readouterr()
+        assert f"cannot write {flag} {bad}" in err and "Traceback" not in err and "\n" not in err.strip()
+        assert out == ""  # nothing measured, nothing loaded
+    assert blocker.read_text() == "x"
+
+
+def test_output_destinations_created_and_checked(tmp_path):
+    import os
+
+    from draftwise.cli.common import out_file, out_folder
+    from draftwise.errors import InvalidParameterError
+
+    assert out_folder(tmp_path / "a" / "b", "--out") == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()
+    assert out_file(tmp_path / "c" / "r.json", "--json") == tmp_path / "c" / "r.json"
+    assert (tmp_path / "c").is_dir() and not (tmp_path / "c" / "r.json").exists()  # the file is the caller's
+    (tmp_path / "f").write_text("x")
+    for call, path, why in [(out_folder, tmp_path / "f", "a file, not a folder"),
+                            (out_folder, tmp_path / "f" / "g", "Not a directory"),
+                            (out_file, tmp_path / "f" / "r.json", f"its folder {tmp_path / 'f'}: a file, not a folder"),
+                            (out_file, tmp_path / "c", "a folder")]:
+        with pytest.raises(InvalidParameterError, match=f"cannot write --x {path}: {why}"):
+            call(path, "--x")
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(InvalidParameterError, match="permission denied"):
+            out_folder(locked, "--x")
+        with pytest.raises(InvalidParameterError, match="permission denied"):
+            out_file(locked / "r.json", "--x")

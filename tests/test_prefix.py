@@ -42,6 +42,8 @@ def run(model, ids, prefix=None, **forward):
     row = model.new_cache(1, CTX)
     with torch.inference_mode():
         out, cached = prefill(model, ids, row, prefix=prefix, logits_for="last", **forward)
+    if prefix is not None and prefix.disk is not None:
+        assert prefix.disk.flush(timeout=30)  # the folder's writer thread has written what the prompt left
     return out, cached, row
 
 
@@ -199,6 +201,81 @@ def test_the_folder_keeps_its_budget_least_recently_used_first(model, tmp_path):
     assert fresh.cached_length(a + [1]) == 2 * C and fresh.cached_length(b + [1]) == C
 
 
+def test_the_blocks_are_written_by_a_thread_of_their_own(model, tmp_path, monkeypatch):
+    """``store`` hands the blocks to the folder's writer and returns: a slow disk does not hold the caller (the
+    engine, every running stream) up; until written, the blocks are served from memory, bit for bit."""
+    import threading
+
+    release, calls = threading.Event(), []
+    real_put = DiskBlocks.put
+
+    def slow_put(self, key, k, v):
+        calls.append(threading.current_thread().name)
+        release.wait(30)
+        return real_put(self, key, k, v)
+
+    monkeypatch.setattr(DiskBlocks, "put", slow_put)
+    ids = tokens(3 * C + 5, seed=21)
+    disk = DiskBlocks(tmp_path, 1 << 30)
+    cache = PrefixCache(0, disk=disk)  # nothing in memory: the disk alone
+    row = model.new_cache(1, CTX)
+    with torch.inference_mode():
+        prefill(model, ids, row, prefix=cache, logits_for="last")  # returns while the writer waits
+    assert not list(tmp_path.glob("*.safetensors")) and len(disk._pending) == 3
+    assert not disk.flush(timeout=0.05)
+    reader = PrefixCache(0, disk=disk)  # another request, the same folder, before any file exists
+    row2 = model.new_cache(1, CTX)
+    with torch.inference_mode():
+        out, cached = prefill(model, ids, row2, prefix=reader, logits_for="last")
+    ref, _, ref_row = run(model, ids)
+    assert cached == 3 * C and torch.equal(out.logits, ref.logits)
+    n = len(ids)
+    assert torch.equal(row2.k[:, 0, :, :n], ref_row.k[:, 0, :, :n])
+    release.set()
+    assert disk.flush(timeout=30) and disk.written_blocks == 3 and not disk._pending and disk.pending_bytes == 0
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3 and set(calls) == {"draftwise-prefix-disk"}
+    fresh = PrefixCache(0, disk=DiskBlocks(tmp_path, 1 << 30))  # a later process reads the files
+    assert fresh.cached_length(ids) == 3 * C
+    disk.close()  # stopped: a later chain is not kept
+    assert disk.put_chain([(b"k" * 16, torch.zeros(1), torch.zeros(1))]) == 0 and not disk._pending
+
+
+def test_the_writer_queue_is_bounded_and_a_full_disk_drops_the_rest(model, tmp_path, monkeypatch):
+    """A chain past the pending bound keeps its start (a deeper block is useless without the ones before it), the
+    rest counted as dropped; a block the disk refuses drops what waits behind it, and the writer lives on."""
+    ids = tokens(6 * C + 3, seed=22)
+    probe = PrefixCache(1 << 30)
+    run(model, ids, probe)
+    k0 = next(iter(probe._blocks.values()))[0]
+    size = 2 * k0.numel() * k0.element_size()  # bytes of one block, keys and values
+    disk = DiskBlocks(tmp_path / "bounded", 1 << 30, pending_bytes=2 * size)
+    import threading
+
+    gate = threading.Event()
+    real_put = DiskBlocks.put
+    monkeypatch.setattr(DiskBlocks, "put", lambda self, *a: gate.wait(30) and real_put(self, *a))
+    cache = PrefixCache(0, disk=disk)
+    row = model.new_cache(1, CTX)
+    with torch.inference_mode():
+        prefill(model, ids, row, prefix=cache, logits_for="last")
+    assert len(disk._pending) == 2 and disk.dropped_blocks == 4 and disk.pending_bytes == 2 * size
+    gate.set()
+    assert disk.flush(timeout=30)
+    keys = list(cache.keys(ids, 6))
+    assert sorted(p.stem for p in (tmp_path / "bounded").glob("*.safetensors")) == sorted(k.hex() for k in keys[:2])
+    # a full disk: the first write fails, and the block behind it is given up too; the next chain is written
+    full = DiskBlocks(tmp_path / "full", 1 << 30)
+    fails = iter([False])
+    monkeypatch.setattr(DiskBlocks, "put", lambda self, *a: next(fails, None) is not False and real_put(self, *a))
+    blocks = [(key, *probe._blocks[key]) for key in keys[:2]]
+    assert full.put_chain(blocks) == 2 and full.flush(timeout=30)
+    assert full.written_blocks == 0 and full.dropped_blocks == 2 and not full._pending
+    assert full.put_chain(blocks) == 2 and full.flush(timeout=30) and full.written_blocks == 2
+    snap = PrefixCache(0, disk=full).snapshot()
+    assert snap["disk_written_blocks"] == 2 and snap["disk_dropped_blocks"] == 2 and snap["disk_pending_blocks"] == 0
+    full.close()
+
+
 # ---- through the decoder: every method, with and without the cache -----------------------------------------
 @pytest.fixture(scope="module")
 def dw(tmp_path_factory) -> SpeculativeDecoder:
@@ -239,6 +316,7 @@ def test_a_decoder_with_a_cache_folder_serves_the_next_one(dw, tmp_path):
     params = SamplingParams(max_tokens=16)
     one = SpeculativeDecoder(dw.target, dw.draft, progress=False, prefix_cache_dir=tmp_path)
     a = one.generate(prompt, params, method="draft", gamma=3)
+    assert one.prefix_cache().disk.flush(timeout=30)
     folders = sorted(p.name for p in tmp_path.iterdir())
     assert len(folders) == 1 and folders[0].startswith(dw.target.name.rsplit("/", 1)[-1][:20])  # the draft: in memory
     two = SpeculativeDecoder(dw.target, dw.draft, progress=False, prefix_cache_dir=tmp_path)
@@ -380,3 +458,24 @@ def test_the_server_streams_running_requests_while_a_long_prompt_prefills(dw):
         engine.stop()
     cold = SpeculativeDecoder(dw.target, None, progress=False, prefix_cache_mb=0)
     assert texts["long"] == cold.generate(long, SamplingParams(max_tokens=8, ignore_eos=True), method="ar").token_ids
+
+
+def test_a_process_that_ends_writes_what_waits_first(tmp_path):
+    """The writer is a daemon thread; the end of the process (atexit) waits for the blocks handed to it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = f"""
+import time, torch
+from draftwise.prefix import DiskBlocks
+real = DiskBlocks.put
+DiskBlocks.put = lambda self, *a: (time.sleep(0.3), real(self, *a))[1]  # a slow disk
+d = DiskBlocks({str(tmp_path)!r}, 1 << 30)
+t = torch.zeros(2, 3)
+assert d.put_chain([(bytes([i]) * 16, t + i, t - i) for i in range(3)]) == 3
+"""  # and exits at once
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=root, timeout=120,
+                   env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert sorted(p.name[:2] for p in tmp_path.glob("*.safetensors")) == ["00", "01", "02"]

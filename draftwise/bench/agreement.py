@@ -15,7 +15,6 @@ import gc
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import InvalidParameterError
 from ..models import WEIGHT_FORMATS
@@ -153,6 +152,7 @@ def add_arguments(p) -> None:
 
 
 def cmd_agreement(args) -> int:
+    from ..cli.common import out_folder
     from .prompts import load_prompts
 
     if args.max_tokens < 1:
@@ -161,14 +161,13 @@ def cmd_agreement(args) -> int:
     reference = Variant.parse(args.reference)
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     _, prompts = load_prompts(args.prompts, cats, args.limit)
+    out = out_folder(args.out, "--out") if args.out else None  # before minutes of decoding
     t0 = time.time()
     results = run_agreement(args.target, variants, reference, [p.text for p in prompts], args.max_tokens, args.chat)
     results["wall_s"] = time.time() - t0
     md = markdown(results)
     print(md)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         (out / "agreement.json").write_text(json.dumps(results, indent=2))
         (out / "agreement.md").write_text(md)
     return 0

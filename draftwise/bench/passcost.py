@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -155,12 +154,13 @@ def cmd(a) -> int:
         raise InvalidParameterError("--sizes must list positive counts, 1 among them; --prefill positive lengths")
     if a.context < 1 or a.repeats < 1:
         raise InvalidParameterError("--context and --repeats must be >= 1")
+    from ..cli.common import out_folder
+
+    out = out_folder(a.out, "--out") if a.out else None  # before minutes of timing
     res = run(a.target, sizes, a.context, a.repeats, prefill, a.llama)
     md = markdown(res)
     print(md)
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         (out / "passcost.json").write_text(json.dumps(res, indent=1, default=str))
         (out / "passcost.md").write_text(md)
     return 0

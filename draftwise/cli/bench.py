@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ..bench import report
 from ..bench.harness import DEFAULT_METHODS, BenchConfig, all_methods, parse_gamma, parse_methods, run_bench
-from ..errors import InvalidParameterError
 from . import common
 
 HELP = "benchmark methods and HF peers on a prompt set; write results.json, report.md and plots"
@@ -63,11 +61,7 @@ def run(args) -> int:
     common.threads(args)
     cfg = config_from_args(args)
     SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens)  # validate before loading anything
-    out = Path(cfg.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InvalidParameterError(f"cannot create --out {out}: {e.strerror}") from None
+    out = common.out_folder(cfg.out, "--out")
     results = run_bench(cfg, progress=True)
     files = report.write_outputs(results, out)
     console = Console(stderr=True, highlight=False)

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -184,25 +182,12 @@ def run_url(url: str, model: str, levels: list[int], requests: int | None, max_t
     return results
 
 
-def _json_out(path: str | None) -> Path | None:
-    """The --json file, its folder created and checked writable before minutes of benchmarking (a run must not
-    end in a traceback with its numbers lost)."""
-    if not path:
-        return None
-    out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InvalidParameterError(f"cannot write --json {out}: {e.strerror}") from None
-    if out.is_dir() or not os.access(out if out.exists() else out.parent, os.W_OK):
-        raise InvalidParameterError(f"cannot write --json {out}: " + ("a folder" if out.is_dir() else "permission denied"))
-    return out
-
-
 def cmd_bench_serve(args) -> int:
+    from ..cli.common import out_file
+
     if args.soak is not None:
         return _soak(args)
-    json_out = _json_out(args.json)
+    json_out = out_file(args.json, "--json") if args.json else None
     if args.url:
         model = args.served_model_name or args.target
         print(f"bench-serve: {args.url}, model {model}, max_tokens {args.max_tokens}, "
@@ -223,8 +208,6 @@ def _bench_in_process(args) -> list[LevelResult]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("ar", "fixed", "adaptive")]
     if bad:
-        from ..errors import InvalidParameterError
-
         raise InvalidParameterError(f"unknown mode(s) {', '.join(bad)}; choose from ar, fixed, adaptive")
     if cfg.method == "ar":
         modes = ["ar"]
@@ -240,11 +223,8 @@ def _bench_in_process(args) -> list[LevelResult]:
 
 def _soak(args) -> int:
     """``bench-serve --soak MINUTES``: see ``soak.py``. Exit status 1 when a verdict fails."""
-    from pathlib import Path
-
     from .. import settings
-
-    from ..errors import InvalidParameterError
+    from ..cli.common import out_folder
     from .soak import SoakConfig, run_soak
 
     if not args.soak_idle >= 0:
@@ -253,7 +233,7 @@ def _soak(args) -> int:
                       prompts=args.soak_prompts, idle_s=args.soak_idle, sample_s=args.soak_sample)
     key = settings.api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else None
-    out = Path(args.soak_out)
+    out = out_folder(args.soak_out, "--soak-out")  # checked before minutes to hours of soaking
     if args.url:
         model = args.served_model_name or args.target
         result = run_soak(args.url, model, scfg, out, f"soak {args.soak:g} min: {model} at {args.url}", headers,

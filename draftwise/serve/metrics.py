@@ -82,6 +82,12 @@ class EngineMetrics:
             lambda: prefix().bytes if prefix() is not None else 0)
         g("prefix_cache_limit_bytes", "The target's prefix cache bound (--prefix-cache-mb; least recently used "
           "blocks are evicted)").set_function(lambda: prefix().budget if prefix() is not None else 0)
+        disk = lambda: getattr(prefix(), "disk", None)  # noqa: E731  (None: no --prefix-cache-dir)
+        g("prefix_cache_disk_pending_bytes", "Bytes of prefix cache blocks waiting for the --prefix-cache-dir "
+          "writer thread").set_function(lambda: disk().pending_bytes if disk() is not None else 0)
+        g("prefix_cache_disk_dropped_blocks", "Prefix cache blocks not written to --prefix-cache-dir since the "
+          "start (the writer's queue full, or the disk refused a write)").set_function(
+            lambda: disk().dropped_blocks if disk() is not None else 0)
         g("draining", "1 after SIGTERM: new requests are refused (503) while admitted ones finish").set_function(
             lambda: float(engine.draining))
         self._window: collections.deque[tuple[float, int, int, int, int]] = collections.deque()
