@@ -511,7 +511,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_train_head(args) -> int:
     from .api import setup_threads
-    from .cli.common import out_folder
+    from .outputs import out_folder
     from .models import load_model
     from .models.registry import resolve
 

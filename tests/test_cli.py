@@ -138,7 +138,7 @@ def test_an_unwritable_destination_is_refused_before_the_work(argv, flag, capsys
 def test_output_destinations_created_and_checked(tmp_path):
     import os
 
-    from draftwise.cli.common import out_file, out_folder
+    from draftwise.outputs import out_file, out_folder
     from draftwise.errors import InvalidParameterError
 
     assert out_folder(tmp_path / "a" / "b", "--out") == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()

@@ -152,7 +152,7 @@ def add_arguments(p) -> None:
 
 
 def cmd_agreement(args) -> int:
-    from ..cli.common import out_folder
+    from ..outputs import out_folder
     from .prompts import load_prompts
 
     if args.max_tokens < 1:

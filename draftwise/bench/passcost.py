@@ -154,7 +154,7 @@ def cmd(a) -> int:
         raise InvalidParameterError("--sizes must list positive counts, 1 among them; --prefill positive lengths")
     if a.context < 1 or a.repeats < 1:
         raise InvalidParameterError("--context and --repeats must be >= 1")
-    from ..cli.common import out_folder
+    from ..outputs import out_folder
 
     out = out_folder(a.out, "--out") if a.out else None  # before minutes of timing
     res = run(a.target, sizes, a.context, a.repeats, prefill, a.llama)

@@ -7,6 +7,7 @@ import argparse
 
 from ..bench import report
 from ..bench.harness import DEFAULT_METHODS, BenchConfig, all_methods, parse_gamma, parse_methods, run_bench
+from ..outputs import out_folder
 from . import common
 
 HELP = "benchmark methods and HF peers on a prompt set; write results.json, report.md and plots"
@@ -61,7 +62,7 @@ def run(args) -> int:
     common.threads(args)
     cfg = config_from_args(args)
     SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens)  # validate before loading anything
-    out = common.out_folder(cfg.out, "--out")
+    out = out_folder(cfg.out, "--out")
     results = run_bench(cfg, progress=True)
     files = report.write_outputs(results, out)
     console = Console(stderr=True, highlight=False)

@@ -4,8 +4,6 @@ place each), thread set-up and the model spec built from the options."""
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 from ..api import DEFAULT_DRAFT, DEFAULT_TARGET, THREADS_HELP, ModelSpec, setup_threads, tree_width_help
 from ..drafters import registry
@@ -16,42 +14,6 @@ from ..prefix import BLOCK, DEFAULT_PREFIX_CACHE_DISK_MB, DEFAULT_PREFIX_CACHE_M
 DEFAULT_METHOD = "auto"  # --method of generate and chat
 SERVE_DEFAULT_METHOD = "auto"  # --method of serve and bench-serve
 WEIGHT_FORMATS = ["auto", "gguf", "int8", "int4", "bf16", "fp32"]
-
-
-# ---- output destinations: checked before the work that fills them -----------------------------------------
-# A benchmark, a soak or a training run can take minutes to hours and writes its results last; a destination
-# it cannot write must be refused up front in one line, not end the run in a traceback with the results lost.
-def _folder_problem(out: Path) -> str | None:
-    """Why the folder ``out`` cannot be created (with its parents) or written to, or None once it exists and can."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        return "a file, not a folder"
-    except OSError as e:
-        return e.strerror or str(e)
-    return None if os.access(out, os.W_OK | os.X_OK) else "permission denied"
-
-
-def out_folder(path: str | os.PathLike, flag: str) -> Path:
-    """The folder given to ``flag``, created (with its parents) and checked writable; InvalidParameterError
-    naming the flag otherwise (below a file, a file itself, no permission, a read-only file system)."""
-    out = Path(path).expanduser()
-    if why := _folder_problem(out):
-        raise InvalidParameterError(f"cannot write {flag} {out}: {why}")
-    return out
-
-
-def out_file(path: str | os.PathLike, flag: str) -> Path:
-    """The file given to ``flag``: its folder created and checked as ``out_folder`` does, the file itself not a
-    folder and, when it exists, writable; InvalidParameterError naming the flag otherwise."""
-    out = Path(path).expanduser()
-    if why := _folder_problem(out.parent):
-        raise InvalidParameterError(f"cannot write {flag} {out}: its folder {out.parent}: {why}")
-    if out.is_dir():
-        raise InvalidParameterError(f"cannot write {flag} {out}: a folder")
-    if out.exists() and not os.access(out, os.W_OK):
-        raise InvalidParameterError(f"cannot write {flag} {out}: permission denied")
-    return out
 
 
 # ---- argument types: a bad value is one line from argparse, exit status 2 --------------------------------

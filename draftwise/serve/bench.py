@@ -183,7 +183,7 @@ def run_url(url: str, model: str, levels: list[int], requests: int | None, max_t
 
 
 def cmd_bench_serve(args) -> int:
-    from ..cli.common import out_file
+    from ..outputs import out_file
 
     if args.soak is not None:
         return _soak(args)
@@ -224,7 +224,7 @@ def _bench_in_process(args) -> list[LevelResult]:
 def _soak(args) -> int:
     """``bench-serve --soak MINUTES``: see ``soak.py``. Exit status 1 when a verdict fails."""
     from .. import settings
-    from ..cli.common import out_folder
+    from ..outputs import out_folder
     from .soak import SoakConfig, run_soak
 
     if not args.soak_idle >= 0:
