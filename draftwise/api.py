@@ -315,7 +315,7 @@ class SpeculativeDecoder:
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(loaded.name)).name)[:60]
         folder = self.prefix_cache_dir / f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
         try:
-            return DiskBlocks(folder, int(self.prefix_cache_disk_mb * 2**20))
+            return DiskBlocks.shared(folder, int(self.prefix_cache_disk_mb * 2**20))
         except OSError as e:
             raise InvalidParameterError(f"prefix cache folder {str(folder)!r} cannot be made: {e}") from None
 

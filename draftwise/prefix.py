@@ -60,6 +60,8 @@ PRUNE_EVERY = 64  # blocks the writer writes between two prunes of the folder wh
 CLOSE_TIMEOUT_S = 30.0  # how long the end of a process waits for the writer's last files
 
 log = logging.getLogger("draftwise")
+_SHARED: dict[str, "DiskBlocks"] = {}  # DiskBlocks.shared: one instance a folder in this process
+_SHARED_LOCK = threading.Lock()
 
 
 class DiskBlocks:
@@ -84,6 +86,18 @@ class DiskBlocks:
         self._writer: threading.Thread | None = None
         self._closed = False
         self._since_prune = 0  # blocks written since the last prune
+
+    @classmethod
+    def shared(cls, folder: Path | str, budget_bytes: int) -> "DiskBlocks":
+        """The one instance of this process for ``folder`` (made on first use): decoders over the same folder see
+        each other's blocks while they wait for the writer."""
+        key = str(Path(folder).resolve())
+        with _SHARED_LOCK:
+            d = _SHARED.get(key)
+            if d is None or d._closed:
+                d = _SHARED[key] = cls(folder, budget_bytes)
+            d.budget = max(d.budget, int(budget_bytes))
+            return d
 
     def _path(self, key: bytes) -> Path:
         return self.folder / f"{key.hex()}.safetensors"
