@@ -30,10 +30,10 @@ memory (``docs/results/xeon-amx-2026-12-07/prefix-writer``).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
-import atexit
 import threading
 from array import array
 from collections import OrderedDict, deque
@@ -62,6 +62,10 @@ CLOSE_TIMEOUT_S = 30.0  # how long the end of a process waits for the writer's l
 log = logging.getLogger("draftwise")
 _SHARED: dict[str, "DiskBlocks"] = {}  # DiskBlocks.shared: one instance a folder in this process
 _SHARED_LOCK = threading.Lock()
+
+
+def _block_bytes(k: torch.Tensor, v: torch.Tensor) -> int:
+    return k.numel() * k.element_size() + v.numel() * v.element_size()
 
 
 class DiskBlocks:
@@ -99,6 +103,11 @@ class DiskBlocks:
             d.budget = max(d.budget, int(budget_bytes))
             return d
 
+    @property
+    def pending_blocks(self) -> int:
+        """Blocks waiting for the writer."""
+        return len(self._pending)
+
     def _path(self, key: bytes) -> Path:
         return self.folder / f"{key.hex()}.safetensors"
 
@@ -116,7 +125,7 @@ class DiskBlocks:
             hit = self._pending.get(key)
         if hit is not None:  # waiting for the writer: the tensors themselves
             k, v = hit
-            if tuple(k.shape) == shape and k.dtype == dtype:
+            if tuple(k.shape) == tuple(v.shape) == shape and k.dtype == v.dtype == dtype:
                 self.read_blocks += 1
                 return k, v
             return None
@@ -149,7 +158,6 @@ class DiskBlocks:
         writer: it writes the deepest first, so the chain's start is the most recently used file. As many of the
         chain's first blocks as the pending bound leaves room for; the rest are dropped (counted). Returns the
         blocks queued."""
-        size = lambda k, v: k.numel() * k.element_size() + v.numel() * v.element_size()  # noqa: E731
         with self._cv:
             if self._closed:
                 return 0
@@ -157,15 +165,15 @@ class DiskBlocks:
             for i, (key, k, v) in enumerate(blocks):
                 if key in self._pending:  # queued by an earlier chain: written in its turn
                     continue
-                if size(k, v) > room:  # this block and every deeper one
+                if _block_bytes(k, v) > room:  # this block and every deeper one
                     self.dropped_blocks += sum(b[0] not in self._pending for b in blocks[i:])
                     break
                 take.append((key, k, v))
-                room -= size(k, v)
+                room -= _block_bytes(k, v)
             for key, k, v in reversed(take):
                 self._pending[key] = (k, v)
                 self._order.append(key)
-                self.pending_bytes += size(k, v)
+                self.pending_bytes += _block_bytes(k, v)
             if take:
                 if self._writer is None:
                     self._writer = threading.Thread(target=self._write_loop, name="draftwise-prefix-disk",
@@ -196,12 +204,11 @@ class DiskBlocks:
                 log.warning("draftwise: prefix cache block not written to %s (%s)", self.folder, e)
             with self._cv:
                 del self._pending[key]
-                self.pending_bytes -= k.numel() * k.element_size() + v.numel() * v.element_size()
+                self.pending_bytes -= _block_bytes(k, v)
                 if not ok:  # a full disk: the rest of the queue would fail alike; none of it is written
                     self.dropped_blocks += 1 + len(self._order)
                     for rest in self._order:
-                        a, b = self._pending.pop(rest)
-                        self.pending_bytes -= a.numel() * a.element_size() + b.numel() * b.element_size()
+                        self.pending_bytes -= _block_bytes(*self._pending.pop(rest))
                     self._order.clear()
                 self._since_prune += 1
                 prune = not self._order or self._since_prune >= PRUNE_EVERY
@@ -343,12 +350,12 @@ class PrefixCache:
 
     def _keep(self, key: bytes, k: torch.Tensor, v: torch.Tensor) -> None:
         self._blocks[key] = (k, v)
-        self.bytes += 2 * k.numel() * k.element_size()
+        self.bytes += _block_bytes(k, v)
 
     def _evict(self) -> None:
         while self.bytes > self.budget and self._blocks:
             _, (k, v) = self._blocks.popitem(last=False)
-            self.bytes -= 2 * k.numel() * k.element_size()
+            self.bytes -= _block_bytes(k, v)
             self.evicted_blocks += 1
 
     def cached_length(self, ids: list[int]) -> int:
@@ -424,7 +431,7 @@ class PrefixCache:
         if self.disk is not None:
             out.update(disk_folder=str(self.disk.folder), disk_budget_bytes=self.disk.budget,
                        disk_read_blocks=self.disk.read_blocks, disk_written_blocks=self.disk.written_blocks,
-                       disk_pending_blocks=len(self.disk._pending), disk_dropped_blocks=self.disk.dropped_blocks)
+                       disk_pending_blocks=self.disk.pending_blocks, disk_dropped_blocks=self.disk.dropped_blocks)
         return out
 
 
